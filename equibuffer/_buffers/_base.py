@@ -1,0 +1,168 @@
+import abc
+import math
+from typing import Any, Self
+
+import equinox as eqx
+from jaxtyping import Array, PRNGKeyArray, PyTree, Shaped
+
+from .._checks import check_positive_int
+from .._custom_types import BoolScalar, ExperienceBatch, Indices, IntScalar, Steps
+from .._ring import RingStorage
+from .._windows import gather, uniform_windows, window_layout
+
+
+class Transition(eqx.Module):
+    """A batch of consecutive pairs of steps of one row: `first` at time `t`, `second` at
+    `t + 1`, each a tree with leaves `(batch, *leaf)`."""
+
+    first: PyTree[Shaped[Array, "batch ..."]]
+    second: PyTree[Shaped[Array, "batch ..."]]
+
+
+class Sample(eqx.Module):
+    """What `sample` returns.
+
+    - `experience`: the sampled data. Leaves `(batch, sequence_length, *leaf)` for a
+        `TrajectoryBuffer`, a [`equibuffer.Transition`][] of `(batch, *leaf)` leaves for a
+        `TransitionBuffer`, `(batch, *leaf)` for an `ItemBuffer`.
+    - `indices`: `(batch,)` int32, the flat index `row * max_length + slot` of the first
+        step of each sampled window: what `set_priorities` takes in the prioritised buffers.
+    - `steps`: `(batch,)` uint32, the absolute step (mod 2**32) at which each window starts,
+        which tells whether its slot has been overwritten since.
+    """
+
+    experience: Any
+    indices: Indices
+    steps: Steps
+
+
+class AbstractBuffer(eqx.Module):
+    """The interface every buffer shares: a [`equibuffer.RingStorage`][] plus a rule saying
+    which windows of `sequence_length` steps may be sampled.
+
+    Concrete buffers are final; they differ only in their configuration and in the shape of
+    what `sample` returns.
+    """
+
+    storage: eqx.AbstractVar[RingStorage]
+    sequence_length: eqx.AbstractVar[int]
+    period: eqx.AbstractVar[int]
+    min_length: eqx.AbstractVar[int]
+
+    @property
+    def add_batch_size(self) -> int:
+        """The number of rows; every `add` brings one or more steps for each row."""
+        return self.storage.rows
+
+    @property
+    def max_length(self) -> int:
+        """The number of steps held per row."""
+        return self.storage.length
+
+    @property
+    def capacity(self) -> int:
+        """The number of steps held in total, `add_batch_size * max_length`."""
+        return self.storage.rows * self.storage.length
+
+    def add(self, batch: ExperienceBatch) -> Self:
+        """Return the buffer with `batch` appended to every row.
+
+        **Arguments:**
+
+        - `batch`: a tree of the example's structure, with leaves `(add_batch_size, *leaf)`
+            for one step or `(add_batch_size, T, *leaf)` for `T >= 1` steps (`T` may exceed
+            `max_length`: only the newest steps are kept). Dtypes must match exactly.
+
+        **Returns:**
+
+        The updated buffer. Under `eqx.filter_jit(donate="all")` the write is in place.
+        """
+        return eqx.tree_at(lambda b: b.storage, self, self.storage.write(batch))
+
+    def num_windows(self) -> IntScalar:
+        """The number of windows that can be sampled now (0-d int32); depends only on the
+        counters, so it stays unbatched when a training run is vmapped over seeds."""
+        return window_layout(self.storage, self.sequence_length, self.period)[1] * (
+            self.storage.rows
+        )
+
+    def can_sample(self) -> BoolScalar:
+        """Whether `sample` may be called: at least `min_length` steps are held per row and
+        there is at least one valid window (0-d bool, a function of the counters only)."""
+        return (self.storage.fill >= self.min_length) & (self.num_windows() > 0)
+
+    def size(self) -> IntScalar:
+        """The number of steps held, over all rows (0-d int32)."""
+        return self.storage.fill * self.storage.rows
+
+    def _draw(self, key: PRNGKeyArray, batch_size: int) -> tuple[Indices, Steps, Any]:
+        batch_size = check_positive_int(f"{type(self).__name__}.sample()", "batch_size", batch_size)
+        indices, steps = uniform_windows(
+            self.storage, key, batch_size, self.sequence_length, self.period
+        )
+        indices = eqx.error_if(
+            indices,
+            ~self.can_sample(),
+            f"{type(self).__name__}.sample(): the buffer cannot be sampled yet: it needs at "
+            f"least min_length={self.min_length} steps per row and one window of "
+            f"sequence_length={self.sequence_length}. Check `buffer.can_sample()` first.",
+        )
+        return indices, steps, gather(self.storage, indices, self.sequence_length)
+
+    @abc.abstractmethod
+    def sample(self, key: PRNGKeyArray, batch_size: int) -> Sample:
+        """Draw `batch_size` windows uniformly, with replacement, over all valid windows.
+
+        Raises inside jit (through `eqx.error_if`) when `can_sample()` is false.
+        """
+
+
+def resolve_length(
+    where: str,
+    add_batch_size: int,
+    max_length: int | None,
+    capacity: int | None,
+    max_size: int | None,
+) -> int:
+    """The per-row length from exactly one of `max_length`, `capacity` or `max_size`.
+
+    A total size that `add_batch_size` does not divide is rounded *up*, so the buffer always
+    holds at least what was asked for; `buffer.capacity` reports the exact figure.
+    """
+    given = {
+        k: v
+        for k, v in (("max_length", max_length), ("capacity", capacity), ("max_size", max_size))
+        if v is not None
+    }
+    if len(given) != 1:
+        raise TypeError(
+            f"{where}: give exactly one of `max_length` (steps per row) or `capacity` "
+            f"(total steps; `max_size` is accepted as Flashbax's name for it), got {given or 'none'}."
+        )
+    ((name, value),) = given.items()
+    value = check_positive_int(where, name, value)
+    if name == "max_length":
+        return value
+    return math.ceil(value / add_batch_size)
+
+
+def check_window_config(
+    where: str, max_length: int, sequence_length: int, period: int, min_length: int | None
+) -> tuple[int, int, int]:
+    sequence_length = check_positive_int(where, "sequence_length", sequence_length)
+    period = check_positive_int(where, "period", period)
+    if sequence_length > max_length:
+        raise ValueError(
+            f"{where}: sequence_length={sequence_length} is larger than the ring "
+            f"(max_length={max_length} steps per row); raise max_length/capacity or shorten "
+            "sequence_length."
+        )
+    if min_length is None:
+        min_length = sequence_length
+    min_length = check_positive_int(where, "min_length", min_length)
+    if not sequence_length <= min_length <= max_length:
+        raise ValueError(
+            f"{where}: min_length={min_length} is out of range: it must be between "
+            f"sequence_length={sequence_length} and max_length={max_length}."
+        )
+    return sequence_length, period, min_length

@@ -1,0 +1,69 @@
+"""Trace-time checks of user input, with messages that name the leaf and what to change."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def keystr(path: Sequence[Any]) -> str:
+    """`('obs',)` -> `['obs']`; the empty path (a single-leaf tree) -> `<root>`."""
+    return jax.tree_util.keystr(tuple(path)) or "<root>"
+
+
+def check_positive_int(where: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{where}: `{name}` must be an int, got {value!r}.")
+    if value < 1:
+        raise ValueError(f"{where}: `{name}` must be at least 1, got {value}.")
+    return int(value)
+
+
+def as_example_leaf(path: Sequence[Any], leaf: Any) -> jax.ShapeDtypeStruct:
+    """Shape and dtype of one leaf of the example tree given to a constructor."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+        raise TypeError(
+            f"example leaf {keystr(path)} is {type(leaf).__name__} {leaf!r}; every leaf must be "
+            "an array (e.g. jnp.float32(0.0) rather than 0.0) so that its dtype is explicit."
+        )
+    return jax.ShapeDtypeStruct(tuple(leaf.shape), jnp.dtype(leaf.dtype))
+
+
+def check_structure(where: str, expected: jax.tree_util.PyTreeDef, tree: Any) -> list:
+    """Flatten `tree` with paths and check it has the expected structure."""
+    got, got_def = jax.tree_util.tree_flatten_with_path(tree)
+    if got_def == expected:
+        return got
+    want = {keystr(p) for p in expected_paths(expected)}
+    have = {keystr(p) for p, _ in got}
+    missing, extra = sorted(want - have), sorted(have - want)
+    detail = []
+    if missing:
+        detail.append("missing leaves " + ", ".join(missing))
+    if extra:
+        detail.append("unexpected leaves " + ", ".join(extra))
+    if not detail:
+        detail.append(f"expected structure {expected}, received {got_def}")
+    raise ValueError(
+        f"{where}: the tree does not match the example the buffer was built from: "
+        + "; ".join(detail)
+        + "."
+    )
+
+
+def expected_paths(treedef: jax.tree_util.PyTreeDef) -> list:
+    dummy = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
+    return [p for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+
+
+def check_dtype(where: str, path: Sequence[Any], got: Any, expected: Any) -> None:
+    if jnp.dtype(got) != jnp.dtype(expected):
+        e = jnp.dtype(expected).name
+        raise TypeError(
+            f"{where}: leaf {keystr(path)} has dtype {jnp.dtype(got).name}, expected {e} "
+            f"(the example's dtype); nothing is cast silently: pass x.astype(jnp.{e})."
+        )

@@ -1,0 +1,21 @@
+from typing import Any, TypeAlias
+
+import numpy as np
+from jaxtyping import Array, Bool, Int, PyTree, Shaped, UInt32
+
+
+# An experience tree: any pytree (dict, tuple, eqx.Module, ...) of arrays.
+Experience: TypeAlias = PyTree[Shaped[Array, "..."]]
+# What `add` takes: leaves `(add_batch_size, *leaf)` or `(add_batch_size, T, *leaf)`.
+# (Underscore dims are documentation only: `add` checks them itself, with a message that
+# names the leaf and the argument to change.)
+ExperienceBatch: TypeAlias = PyTree[Shaped[Array | np.ndarray, "_add_batch_size ..."]]
+# What the constructor takes: one example step, leaves of any array type.
+ExampleTree: TypeAlias = PyTree[Any]
+
+Scalar: TypeAlias = Shaped[Array, ""]
+BoolScalar: TypeAlias = Bool[Array, ""]
+IntScalar: TypeAlias = Int[Array, ""]
+Count: TypeAlias = UInt32[Array, ""]
+Indices: TypeAlias = Int[Array, " batch"]
+Steps: TypeAlias = UInt32[Array, " batch"]

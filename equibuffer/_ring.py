@@ -1,0 +1,178 @@
+"""Ring storage: a `(rows, length)` ring of a pytree, the state every buffer is built on."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int, PyTree, Shaped
+
+from ._checks import as_example_leaf, check_dtype, check_positive_int, check_structure, keystr
+from ._custom_types import Count, ExampleTree, ExperienceBatch, IntScalar
+
+
+_TWO_32 = 1 << 32
+
+
+class RingStorage(eqx.Module):
+    """A ring of `length` time steps for each of `rows` rows, holding a pytree of arrays.
+
+    Every row is written at the same time step (an `add` brings one or more steps for every
+    row), so one write head, one fill count and one count of steps ever added describe all
+    rows. The count is kept as two `uint32` words (`count_hi * 2**32 + count_lo`), so it never
+    wraps in practice (2**64 steps).
+
+    This is the storage layer shared by every buffer; most users never touch it directly, but
+    `buffer.storage.data` is the place to look at what is stored.
+
+    **Arguments:**
+
+    - `example`: one step of experience, a pytree whose leaves are arrays (or
+        `jax.ShapeDtypeStruct`s); the storage allocates zeros shaped `(rows, length, *leaf)`.
+    - `rows`: the number of rows (typically the number of parallel environments).
+    - `length`: the number of time steps kept per row.
+
+    !!! example
+
+        ```python
+        storage = RingStorage({"obs": jnp.zeros(3)}, rows=2, length=5)
+        storage = storage.write({"obs": jnp.ones((2, 4, 3))})  # 4 steps for both rows
+        assert int(storage.fill) == 4 and int(storage.head) == 4
+        ```
+    """
+
+    data: PyTree[Shaped[Array, "rows length ..."]]
+    head: Int[Array, ""]
+    fill: Int[Array, ""]
+    count_lo: Count
+    count_hi: Count
+    rows: int = eqx.field(static=True)
+    length: int = eqx.field(static=True)
+
+    def __init__(self, example: ExampleTree, rows: int, length: int):
+        where = f"{type(self).__name__}()"
+        self.rows = check_positive_int(where, "rows", rows)
+        self.length = check_positive_int(where, "length", length)
+        if self.length >= 2**30:
+            raise ValueError(f"{where}: `length` must be below 2**30, got {length}.")
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(example)
+        if not leaves:
+            raise ValueError(f"{where}: `example` has no array leaves.")
+        structs = [as_example_leaf(path, leaf) for path, leaf in leaves]
+        # Each leaf is its own allocation: donation refuses one buffer donated twice.
+        self.data = jax.tree_util.tree_unflatten(
+            treedef, [jnp.zeros((self.rows, self.length, *s.shape), s.dtype) for s in structs]
+        )
+        self.head = jnp.array(0, jnp.int32)
+        self.fill = jnp.array(0, jnp.int32)
+        self.count_lo = jnp.array(0, jnp.uint32)
+        self.count_hi = jnp.array(0, jnp.uint32)
+
+    def example(self) -> PyTree[jax.ShapeDtypeStruct]:
+        """The shape and dtype of one step, as `jax.ShapeDtypeStruct`s."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), self.data)
+
+    def steps_added(self) -> int:
+        """The count of steps ever added to each row, as a Python int (host side, not in jit).
+
+        !!! example
+
+            ```python
+            storage = RingStorage({"x": jnp.zeros(())}, rows=1, length=2)
+            assert storage.write({"x": jnp.zeros((1, 3))}).steps_added() == 3
+            ```
+        """
+        return int(self.count_hi) * _TWO_32 + int(self.count_lo)
+
+    def steps_in(self, batch: ExperienceBatch, where: str = "add()") -> int | None:
+        """Check `batch` against the stored tree and return its number of steps.
+
+        Returns `None` for a single step (leaves `(rows, *leaf)`), else `T` for leaves
+        `(rows, T, *leaf)`. Raises a `ValueError`/`TypeError` naming the first bad leaf.
+        """
+        got = check_structure(where, jax.tree.structure(self.data), batch)
+        steps: int | None = None
+        first_path: Any = None
+        for (path, x), stored in zip(got, jax.tree.leaves(self.data)):
+            if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+                raise TypeError(
+                    f"{where}: leaf {keystr(path)} is {type(x).__name__}, expected an array "
+                    f"of shape (add_batch_size={self.rows}, *{stored.shape[2:]})."
+                )
+            leaf = tuple(stored.shape[2:])
+            shape = tuple(x.shape)
+            if shape == (self.rows, *leaf):
+                t = None
+            elif len(shape) == len(leaf) + 2 and shape[0] == self.rows and shape[2:] == leaf:
+                t = shape[1]
+                if t == 0:
+                    raise ValueError(f"{where}: leaf {keystr(path)} has 0 time steps.")
+            else:
+                one = str((self.rows, *leaf)).replace("(", "(add_batch_size=", 1)
+                many = str((self.rows, "T", *leaf)).replace("(", "(add_batch_size=", 1)
+                raise ValueError(
+                    f"{where}: leaf {keystr(path)} has shape {shape}, expected {one} for one "
+                    f"step or {many} for T steps.".replace("'T'", "T")
+                )
+            if first_path is not None and t != steps:
+                a = "one step" if steps is None else f"{steps} steps"
+                b = "one step" if t is None else f"{t} steps"
+                raise ValueError(
+                    f"{where}: leaf {keystr(path)} holds {b} but leaf {keystr(first_path)} "
+                    f"holds {a}; all leaves must hold the same number of steps."
+                )
+            check_dtype(where, path, x.dtype, stored.dtype)
+            steps, first_path = t, path
+        return steps
+
+    def write(self, batch: ExperienceBatch) -> "RingStorage":
+        """Append one step (leaves `(rows, *leaf)`) or `T` steps (leaves `(rows, T, *leaf)`)
+        to every row, overwriting the oldest steps once the ring is full. When `T > length`
+        only the newest `length` steps are kept (the count of steps added still grows by `T`).
+
+        Under `eqx.filter_jit(donate=...)` the write is in place: its cost is that of the data
+        added, not of the ring.
+        """
+        t = self.steps_in(batch)
+        if t is None:
+            batch = jax.tree.map(lambda x: jnp.asarray(x)[:, None], batch)
+            t = 1
+        length = self.length
+        keep = min(t, length)
+        start = (self.head + (t - keep)) % length
+
+        def put(stored: Array, new: Any) -> Array:
+            new = jnp.asarray(new)[:, t - keep :]
+            if keep == 1:
+                return jax.lax.dynamic_update_slice_in_dim(stored, new, start, axis=1)
+            slots = (start + jnp.arange(keep, dtype=jnp.int32)) % length
+            return stored.at[:, slots].set(new, unique_indices=True, mode="promise_in_bounds")
+
+        data = jax.tree.map(put, self.data, batch)
+        head = (self.head + t % length) % length
+        fill = jnp.minimum(self.fill + keep, length)
+        lo = self.count_lo + jnp.uint32(t % _TWO_32)
+        hi = self.count_hi + jnp.uint32(t // _TWO_32) + (lo < self.count_lo).astype(jnp.uint32)
+        return eqx.tree_at(
+            lambda s: (s.data, s.head, s.fill, s.count_lo, s.count_hi),
+            self,
+            (data, head, fill, lo, hi),
+        )
+
+    def count_mod(self, modulus: int) -> IntScalar:
+        """`steps_added mod modulus` (exact for any count, computed in 32-bit words)."""
+        m = int(modulus)
+        if m == 1:
+            return jnp.array(0, jnp.int32)
+        lo, hi = self.count_lo, self.count_hi
+        if m & (m - 1) == 0:
+            return (lo & jnp.uint32(m - 1)).astype(jnp.int32)
+        if m < 1 << 16:
+            r = jnp.uint32(_TWO_32 % m)
+            return (((hi % m) * r + lo % m) % m).astype(jnp.int32)
+        # Large moduli: Horner's rule one bit at a time keeps every value below 2**32.
+        acc = jnp.uint32(0)
+        for word in (hi, lo):
+            for bit in range(31, -1, -1):
+                acc = (acc * jnp.uint32(2) + ((word >> bit) & jnp.uint32(1))) % m
+        return acc.astype(jnp.int32)

@@ -1,0 +1,64 @@
+"""The valid-window rule, defined once and shared by every sampling rule.
+
+A window is `sequence_length` consecutive steps of one row. It is valid when it lies inside the
+steps the ring still holds (so it never spans the write head or an unwritten slot) and starts at
+an absolute step that is a multiple of `period`. Counting from the oldest step held, valid
+windows start at offsets `first, first + period, ...`, `count` of them per row; all of it is a
+function of the ring's counters only, never of the stored data.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int, PRNGKeyArray, PyTree, Shaped
+
+from ._custom_types import Indices, IntScalar, Steps
+from ._ring import RingStorage
+
+
+def window_layout(
+    storage: RingStorage, sequence_length: int, period: int
+) -> tuple[IntScalar, IntScalar]:
+    """`(first, count)`: the offset from the oldest held step of the first valid window start,
+    and the number of valid windows per row."""
+    oldest_phase = (storage.count_mod(period) - storage.fill % period) % period
+    first = (period - oldest_phase) % period
+    span = storage.fill - sequence_length
+    count = jnp.where(span >= first, (span - first) // period + 1, 0)
+    return first, count
+
+
+def window_at(
+    storage: RingStorage, row: Int[Array, "*b"], offset: Int[Array, "*b"]
+) -> tuple[Int[Array, "*b"], Shaped[Array, "*b"]]:
+    """Flat index `row * length + slot` and absolute start step (mod 2**32) of the window that
+    starts `offset` steps after the oldest held step of `row`."""
+    length = storage.length
+    slot = (storage.head - storage.fill + offset + length) % length
+    step = storage.count_lo - storage.fill.astype(jnp.uint32) + offset.astype(jnp.uint32)
+    return row * length + slot, step
+
+
+def uniform_windows(
+    storage: RingStorage, key: PRNGKeyArray, batch_size: int, sequence_length: int, period: int
+) -> tuple[Indices, Steps]:
+    """Draw `batch_size` windows uniformly (with replacement) over all valid windows."""
+    first, count = window_layout(storage, sequence_length, period)
+    per_row = jnp.maximum(count, 1)
+    u = jax.random.randint(key, (batch_size,), 0, storage.rows * per_row, dtype=jnp.int32)
+    return window_at(storage, u // per_row, first + (u % per_row) * period)
+
+
+def gather(
+    storage: RingStorage, indices: Indices, sequence_length: int
+) -> PyTree[Shaped[Array, "batch sequence ..."]]:
+    """The `sequence_length` steps starting at each flat window index, leaves
+    `(batch, sequence_length, *leaf)`."""
+    length = storage.length
+    row, slot = indices // length, indices % length
+    steps = (slot[:, None] + jnp.arange(sequence_length, dtype=slot.dtype)) % length
+    flat = row[:, None] * length + steps
+
+    def take(leaf: Array) -> Array:
+        return leaf.reshape(-1, *leaf.shape[2:]).at[flat].get(mode="promise_in_bounds")
+
+    return jax.tree.map(take, storage.data)

@@ -93,7 +93,7 @@ class RingStorage(eqx.Module):
         got = check_structure(where, jax.tree.structure(self.data), batch)
         steps: int | None = None
         first_path: Any = None
-        for (path, x), stored in zip(got, jax.tree.leaves(self.data)):
+        for (path, x), stored in zip(got, jax.tree.leaves(self.data), strict=True):
             if not hasattr(x, "shape") or not hasattr(x, "dtype"):
                 raise TypeError(
                     f"{where}: leaf {keystr(path)} is {type(x).__name__}, expected an array "

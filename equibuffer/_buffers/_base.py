@@ -137,7 +137,8 @@ def resolve_length(
     if len(given) != 1:
         raise TypeError(
             f"{where}: give exactly one of `max_length` (steps per row) or `capacity` "
-            f"(total steps; `max_size` is accepted as Flashbax's name for it), got {given or 'none'}."
+            "(total steps; `max_size` is accepted as Flashbax's name for it), "
+            f"got {given or 'none'}."
         )
     ((name, value),) = given.items()
     value = check_positive_int(where, name, value)

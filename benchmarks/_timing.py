@@ -1,0 +1,39 @@
+"""Timing shared by the benchmark scripts: best-of-N wall time of a function whose result is
+blocked on, after warm-up (compilation) calls. Benchmarks report ratios, never assert speed."""
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+
+def best_time(fn: Callable[[], Any], *, repeat: int = 20, warmup: int = 2) -> float:
+    """Best wall time in seconds of `fn()` over `repeat` calls, blocking on its result."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def fmt_time(seconds: float) -> str:
+    """`1.23 ms`-style formatting."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds * 1e9:.3g} ns"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """A plain-text table of dict rows (same keys), for benchmark output."""
+    if not rows:
+        return ""
+    keys = list(rows[0])
+    cells = [[str(r[k]) for k in keys] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths, strict=True))  # noqa: E731
+    return "\n".join([line(keys), line(["-" * w for w in widths]), *map(line, cells)])

@@ -55,7 +55,7 @@ def gather(
     `(batch, sequence_length, *leaf)`."""
     length = storage.length
     row, slot = indices // length, indices % length
-    steps = (slot[:, None] + jnp.arange(sequence_length, dtype=slot.dtype)) % length
+    steps = (slot[:, None] + jnp.arange(sequence_length, dtype=slot.dtype)[None, :]) % length
     flat = row[:, None] * length + steps
 
     def take(leaf: Array) -> Array:

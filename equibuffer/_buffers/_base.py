@@ -1,6 +1,6 @@
 import abc
 import math
-from typing import Any, Self
+from typing import Any, TypeVar
 
 import equinox as eqx
 from jaxtyping import Array, PRNGKeyArray, PyTree, Shaped
@@ -36,6 +36,9 @@ class Sample(eqx.Module):
     steps: Steps
 
 
+_Buffer = TypeVar("_Buffer", bound="AbstractBuffer")
+
+
 class AbstractBuffer(eqx.Module):
     """The interface every buffer shares: a [`equibuffer.RingStorage`][] plus a rule saying
     which windows of `sequence_length` steps may be sampled.
@@ -64,7 +67,7 @@ class AbstractBuffer(eqx.Module):
         """The number of steps held in total, `add_batch_size * max_length`."""
         return self.storage.rows * self.storage.length
 
-    def add(self, batch: ExperienceBatch) -> Self:
+    def add(self: _Buffer, batch: ExperienceBatch) -> _Buffer:
         """Return the buffer with `batch` appended to every row.
 
         **Arguments:**

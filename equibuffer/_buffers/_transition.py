@@ -1,3 +1,4 @@
+import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
@@ -26,9 +27,9 @@ class TransitionBuffer(AbstractBuffer):
     """
 
     storage: RingStorage
-    sequence_length: int
-    period: int
-    min_length: int
+    sequence_length: int = eqx.field(static=True)
+    period: int = eqx.field(static=True)
+    min_length: int = eqx.field(static=True)
 
     def __init__(
         self,

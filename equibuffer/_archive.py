@@ -1,0 +1,991 @@
+"""Archive: a zarr v3 group that extends a buffer's time axis without bound.
+
+Layout (plain zarr v3, readable by any zarr tool or xarray):
+
+- one array per leaf of the experience tree, shaped `(rows, time, *leaf)`, chunked
+  `(1, chunk_steps, *leaf)` inside shards `(rows, shard_steps, *leaf)`, with
+  `dimension_names` `("row", "time", ...)`;
+- the root group's attribute `"equibuffer"`: the format version, the schema (leaf paths, shapes,
+  dtypes) and the *committed* state (how many time steps are visible, and which steps of the
+  source buffer they are). It is rewritten only after every chunk it covers has been written,
+  and readers never look past it, so a writer killed at any moment leaves the last committed
+  state readable;
+- while a writer holds the archive, a small group `_writer_lock` whose attributes name it.
+
+Every key is replaced atomically (a local directory writes a temporary file and renames it;
+an object store replaces whole objects), which is what makes the ordering above crash-safe.
+"""
+
+import asyncio
+import atexit
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import re
+import socket
+import time
+import uuid
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import zarr
+import zarr.codecs
+import zarr.storage
+from jaxtyping import Array, PyTree, Shaped
+from tqdm.auto import tqdm
+from zarr.abc.store import Store
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
+
+from ._checks import check_positive_int, keystr
+from ._ring import RingStorage
+
+
+FORMAT_VERSION = 1
+_ATTR = "equibuffer"
+_LOCK_KEY = "_writer_lock/zarr.json"
+_TWO_32 = 1 << 32
+_INT64_MAX = (1 << 63) - 1
+_CHUNK_BYTES = 1 << 20  # target uncompressed bytes of one chunk (one row)
+_SHARD_BYTES = 32 << 20  # target uncompressed bytes of one shard (all rows)
+_MAX_CHUNK_STEPS = 1 << 14
+
+Compression = Literal["zstd", "lz4", "none"]
+OnLost = Literal["raise", "warn"]
+
+
+class ArchiveLockedError(RuntimeError):
+    """Raised when a second writer opens an archive that a writer already holds."""
+
+
+class StepsLostError(RuntimeError):
+    """Raised by `Archive.write` when the ring overwrote steps that were never written."""
+
+
+class StepsLostWarning(UserWarning):
+    """Warned by `Archive.write(..., on_lost="warn")` with the number of steps lost."""
+
+
+class ArchiveSample(NamedTuple):
+    """Windows sampled from an archive: `experience` leaves `(batch, sequence_length, *leaf)`
+    (NumPy), and for each window its `row` and the archive time index `start` of its first
+    step."""
+
+    experience: PyTree[np.ndarray]
+    rows: np.ndarray
+    starts: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    path: str  # keystr of the leaf path, e.g. "['obs']"
+    name: str  # zarr array name
+    shape: tuple[int, ...]
+    dtype: str  # dtype of the leaf as the buffer holds it
+    stored: str  # dtype zarr stores (a same-size unsigned int for dtypes zarr lacks)
+
+    def as_json(self) -> dict:
+        return {
+            "path": self.path,
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "stored_dtype": self.stored,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Commit:
+    """What is visible: `length` time steps, holding source steps `first_step, ...` with the
+    runs of lost steps given by `gaps` (`[archive index, steps lost before it]`)."""
+
+    length: int = 0
+    source_steps: int = 0
+    first_step: int = 0
+    gaps: tuple[tuple[int, int], ...] = ()
+
+    def as_json(self) -> dict:
+        return {
+            "length": self.length,
+            "source_steps": self.source_steps,
+            "first_step": self.first_step,
+            "gaps": [list(g) for g in self.gaps],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "_Commit":
+        return cls(
+            int(d["length"]),
+            int(d["source_steps"]),
+            int(d["first_step"]),
+            tuple((int(a), int(b)) for a, b in d["gaps"]),
+        )
+
+    def segments(self) -> list[tuple[int, int]]:
+        """Archive index ranges `[a, b)` of steps contiguous in the source."""
+        cuts = [0, *(at for at, _ in self.gaps if 0 < at < self.length), self.length]
+        return [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
+
+    def source_step(self, index: int) -> int:
+        """The source buffer's absolute step held at archive time index `index`."""
+        return self.first_step + index + sum(lost for at, lost in self.gaps if at <= index)
+
+
+def _stored_dtype(dtype: np.dtype) -> np.dtype:
+    """zarr stores the standard NumPy dtypes; others (bfloat16, float8, int4 from ml_dtypes)
+    are stored bit for bit as an unsigned int of the same size."""
+    if dtype.kind in "biufc" and dtype.isnative or dtype.kind == "b":
+        return dtype
+    return np.dtype(f"uint{8 * dtype.itemsize}")
+
+
+def _name_of(path: Sequence[Any]) -> str:
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    name = re.sub(r"[^A-Za-z0-9_.\-]", "_", ".".join(parts)) or "data"
+    return "x" + name if name.startswith(("_", ".")) else name
+
+
+def _schema_of(storage: RingStorage) -> tuple[list[_Leaf], Any]:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(storage.data)
+    leaves, used = [], set()
+    for path, x in flat:
+        name = base = _name_of(path)
+        i = 1
+        while name in used:
+            name, i = f"{base}_{i}", i + 1
+        used.add(name)
+        dtype = np.dtype(x.dtype)
+        leaves.append(
+            _Leaf(keystr(path), name, tuple(x.shape[2:]), dtype.name, _stored_dtype(dtype).name)
+        )
+    return leaves, treedef
+
+
+def _schema_diff(stored: list[_Leaf], rows: int, new: list[_Leaf], new_rows: int) -> list[str]:
+    old = {leaf.path: leaf for leaf in stored}
+    got = {leaf.path: leaf for leaf in new}
+    out = []
+    if rows != new_rows:
+        out.append(f"rows: the archive has {rows}, the buffer has add_batch_size={new_rows}")
+    missing = [p for p in old if p not in got]
+    extra = [p for p in got if p not in old]
+    if missing:
+        out.append("leaves in the archive but not in the buffer: " + ", ".join(missing))
+    if extra:
+        out.append("leaves in the buffer but not in the archive: " + ", ".join(extra))
+    for p in old:
+        if p in got:
+            a, b = old[p], got[p]
+            if a.shape != b.shape:
+                out.append(f"leaf {p}: shape {a.shape} in the archive, {b.shape} in the buffer")
+            if a.dtype != b.dtype:
+                out.append(f"leaf {p}: dtype {a.dtype} in the archive, {b.dtype} in the buffer")
+    return out
+
+
+def _storage_of(like: Any, where: str) -> RingStorage:
+    storage = getattr(like, "storage", like)
+    if not isinstance(storage, RingStorage):
+        raise TypeError(
+            f"{where}: expected a buffer (e.g. eb.TrajectoryBuffer) or an eb.RingStorage, got "
+            f"{type(like).__name__}."
+        )
+    return storage
+
+
+def ring_holding(storage: RingStorage, data: Sequence[np.ndarray], total: int) -> RingStorage:
+    """A copy of `storage` whose counters say `total` steps were added and which holds `data`
+    (one array per leaf, `(rows, k, *leaf)` with `k <= length`) as the newest `k` steps.
+
+    Consistent with `RingStorage.write`: `fill = k`, `head = total mod length`, the count words
+    from `total`, step `total - k + j` at slot `(head - k + j) mod length`; other slots are zero.
+    """
+    length, rows = storage.length, storage.rows
+    leaves, treedef = jax.tree.flatten(storage.data)
+    if len(data) != len(leaves):
+        raise ValueError(f"ring_holding(): {len(data)} arrays for {len(leaves)} leaves.")
+    k = data[0].shape[1]
+    if not 0 <= k <= min(length, total):
+        raise ValueError(f"ring_holding(): cannot hold {k} steps of {total} in length={length}.")
+    head = total % length
+    slots = (head - k + np.arange(k)) % length
+    new = []
+    for stored, d in zip(leaves, data, strict=True):
+        if d.shape != (rows, k, *stored.shape[2:]):
+            raise ValueError(f"ring_holding(): got shape {d.shape} for {stored.shape}.")
+        ring = np.zeros(stored.shape, stored.dtype)
+        ring[:, slots] = np.asarray(d, stored.dtype)
+        new.append(jnp.asarray(ring))
+    return eqx.tree_at(
+        lambda s: (s.data, s.head, s.fill, s.count_lo, s.count_hi),
+        storage,
+        (
+            jax.tree.unflatten(treedef, new),
+            jnp.array(head, jnp.int32),
+            jnp.array(k, jnp.int32),
+            jnp.array(total % _TWO_32, jnp.uint32),
+            jnp.array(total // _TWO_32, jnp.uint32),
+        ),
+    )
+
+
+def _open_store(store: Any, storage_options: dict | None, read_only: bool) -> Store:
+    if isinstance(store, Store):
+        if read_only and not store.read_only:
+            return store.with_read_only(True)
+        return store
+    if not isinstance(store, str | os.PathLike):
+        raise TypeError(
+            f"Archive(): `store` must be a path, a URL or a zarr store, got {type(store).__name__}."
+        )
+    s = os.fspath(store)
+    if "://" in s and not s.startswith("file://"):
+        options = dict(storage_options or {})
+        try:
+            from obstore.store import from_url
+        except ImportError:
+            return zarr.storage.FsspecStore.from_url(
+                s, storage_options=options, read_only=read_only
+            )
+        return zarr.storage.ObjectStore(from_url(s, **options), read_only=read_only)
+    s = s.removeprefix("file://")
+    if s.endswith(".zip"):
+        if not read_only:
+            raise ValueError(
+                f"Archive(): {s!r} is a zip file, which can only be opened with mode='r' "
+                "(a zip cannot replace entries atomically): write to a directory, then zip it."
+            )
+        return zarr.storage.ZipStore(s, mode="r")
+    return zarr.storage.LocalStore(s, read_only=read_only)
+
+
+def _get_json(store: Store, key: str) -> dict | None:
+    buf = sync(store.get(key, prototype=default_buffer_prototype()))
+    return None if buf is None else json.loads(buf.to_bytes())
+
+
+def _put_json(store: Store, key: str, value: dict, *, exclusive: bool = False) -> None:
+    buf = default_buffer_prototype().buffer.from_bytes(json.dumps(value).encode())
+    sync(store.set_if_not_exists(key, buf) if exclusive else store.set(key, buf))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _release(store: Store, token: str) -> None:
+    with contextlib.suppress(Exception):
+        held = _get_json(store, _LOCK_KEY)
+        if held is not None and held["attributes"][_ATTR + "_lock"]["token"] == token:
+            sync(store.delete(_LOCK_KEY))
+            if isinstance(store, zarr.storage.LocalStore):  # no empty directory left behind
+                (store.root / _LOCK_KEY).parent.rmdir()
+
+
+def _codecs(compression: str) -> Any:
+    if compression == "zstd":
+        return zarr.codecs.ZstdCodec(level=1)
+    if compression == "lz4":
+        return zarr.codecs.BloscCodec(cname="lz4", clevel=5, shuffle="shuffle")
+    if compression == "none":
+        return None
+    raise ValueError(
+        f"Archive(): `compression` must be 'zstd', 'lz4' or 'none', got {compression!r}."
+    )
+
+
+def _pow2_floor(x: float) -> int:
+    return 1 << max(0, int(np.floor(np.log2(max(x, 1.0)))))
+
+
+class Archive:
+    """A zarr v3 archive of a buffer's experience that grows along time without bound: the
+    on-disk (or object-storage) dataset for offline RL on more than fits in memory.
+
+    Each leaf of the experience tree is stored as one array `(rows, time, *leaf)`; `write`
+    appends exactly the steps added to a buffer since the last write, so a training loop
+    calls it every so often (at least once every `max_length` steps, or steps are lost, which
+    is never silent). Reads give NumPy arrays back, fill a buffer, or sample random windows
+    reading only the chunks they touch.
+
+    Safety: the visible length advances only after the data it covers is written (a writer
+    killed at any moment leaves the last committed state readable and writable); one writer
+    at a time (a second one gets `ArchiveLockedError`), any number of readers, each reading a
+    committed snapshot (`refresh()` moves it forward); committed steps are never rewritten.
+
+    This is host-side I/O: call it outside `jit`.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax.numpy as jnp, numpy as np, tempfile
+
+        buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(3)}, add_batch_size=2, max_length=16,
+                                     sequence_length=4)
+        path = tempfile.mkdtemp() + "/run.zarr"
+        with eb.Archive(path, buffer) as archive:
+            for _ in range(5):
+                buffer = buffer.add({"obs": jnp.ones((2, 10, 3))})
+                archive.write(buffer)                    # the 10 new steps
+            assert len(archive) == 50
+            obs = archive.read(40, 50)["obs"]            # (2, 10, 3) NumPy array
+            windows = archive.sample(np.random.default_rng(0), 32, sequence_length=4)
+        reader = eb.Archive(path, mode="r")              # any number of readers
+        ```
+    """
+
+    _progress_delay: float = 1.0  # seconds before a progress bar appears
+
+    def __init__(
+        self,
+        store: Any,
+        like: Any = None,
+        *,
+        mode: Literal["a", "r"] = "a",
+        compression: Compression = "zstd",
+        chunk_steps: int | None = None,
+        shard_steps: int | None = None,
+        on_lost: OnLost = "raise",
+        progress: bool = True,
+        break_lock: bool = False,
+        storage_options: dict | None = None,
+    ):
+        """**Arguments:**
+
+        - `store`: where the archive lives: a local directory path (the default kind), a URL
+            such as `"s3://bucket/run.zarr"` (through `obstore` if installed, else fsspec;
+            credentials and endpoint in `storage_options`), a `.zip` file (read-only), or any
+            `zarr.abc.store.Store` (e.g. `zarr.storage.MemoryStore()`).
+        - `like`: a buffer (or its `RingStorage`) that fixes the schema: required to create an
+            archive; when opening an existing one it is checked against the stored schema (an
+            error names every differing leaf) and reads come back in its tree structure.
+            Without it, reads return a dict keyed by leaf name.
+        - `mode`: `"a"` opens for writing, creating the archive if needed, and takes the
+            writer lock; `"r"` opens read-only (no lock; any number of readers).
+        - `compression`: `"zstd"` (level 1, the default: the best ratio at a speed above the
+            disk's, measured in `benchmarks/bench_archive.py`), `"lz4"` (blosc, faster, lower
+            ratio) or `"none"`. Only used when creating.
+        - `chunk_steps`, `shard_steps`: time steps per chunk (one row) and per shard (all
+            rows); by default about 1 MiB per chunk and 32 MiB per shard, in powers of two.
+            Only used when creating. `shard_steps` must be a multiple of `chunk_steps`.
+        - `on_lost`: what `write` does when the ring has overwritten steps never written:
+            `"raise"` a `StepsLostError` (the default) or `"warn"`: write the steps still held,
+            warn with a `StepsLostWarning` saying how many were lost, and record the gap.
+        - `progress`: show a tqdm progress bar on long writes and reads.
+        - `break_lock`: take the writer lock even if another writer holds it. A lock left by a
+            killed process on this host is detected and broken automatically; use this for
+            one left on another host, only once sure that writer is gone.
+        - `storage_options`: options for a URL store (e.g. obstore's `endpoint`,
+            `access_key_id`, `secret_access_key`, `region`, `client_options`).
+        """
+        where = "Archive()"
+        if mode not in ("a", "r"):
+            raise ValueError(f"{where}: `mode` must be 'a' (write) or 'r' (read), got {mode!r}.")
+        if on_lost not in ("raise", "warn"):
+            raise ValueError(f"{where}: `on_lost` must be 'raise' or 'warn', got {on_lost!r}.")
+        self.read_only = mode == "r"
+        self.on_lost: OnLost = on_lost
+        self.progress = bool(progress)
+        self.store = _open_store(store, storage_options, self.read_only)
+        self._where = repr(os.fspath(store)) if isinstance(store, str | os.PathLike) else "store"
+        self._token: str | None = None
+        self._finalizer: Any = None
+        storage = None if like is None else _storage_of(like, where)
+        self._treedef = None
+        record = _get_json(self.store, "zarr.json")
+        meta = None if record is None else record.get("attributes", {}).get(_ATTR)
+        if meta is None and (self.read_only or storage is None):
+            what = "no archive" if record is None else "a zarr group that is not an archive"
+            hint = "" if self.read_only else " (pass a buffer as `like` to create one)"
+            raise FileNotFoundError(f"{where}: there is {what} at {self._where}{hint}.")
+        if not self.read_only:
+            self._lock(break_lock)
+            record = _get_json(self.store, "zarr.json")
+            meta = None if record is None else record.get("attributes", {}).get(_ATTR)
+        try:
+            if meta is None:
+                assert storage is not None
+                meta = self._create(storage, compression, chunk_steps, shard_steps)
+            elif not self.read_only:
+                self._clean_partial()
+            self._load_meta(meta)
+            if storage is not None:
+                leaves, self._treedef = _schema_of(storage)
+                diff = _schema_diff(self.leaves, self.rows, leaves, storage.rows)
+                if diff:
+                    raise ValueError(
+                        f"{where}: the buffer does not match the archive at {self._where}: "
+                        + "; ".join(diff)
+                        + "."
+                    )
+        except BaseException:
+            self.close()
+            raise
+
+    # ----------------------------------------------------------------------------- opening
+
+    def _lock(self, break_lock: bool) -> None:
+        token = uuid.uuid4().hex
+        info = {
+            "token": token,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        lock = {"zarr_format": 3, "node_type": "group", "attributes": {_ATTR + "_lock": info}}
+        for attempt in range(2):
+            _put_json(self.store, _LOCK_KEY, lock, exclusive=True)
+            held = _get_json(self.store, _LOCK_KEY)
+            other = None if held is None else held["attributes"][_ATTR + "_lock"]
+            if other is not None and other["token"] == token:
+                self._token = token
+                # Released by close() or at exit (not on garbage collection, which may run on
+                # zarr's event-loop thread, where no store call can be made).
+                self._finalizer = functools.partial(_release, self.store, token)
+                atexit.register(self._finalizer)
+                return
+            stale = (
+                other is not None
+                and other["host"] == info["host"]
+                and not _pid_alive(int(other["pid"]))
+            )
+            if attempt == 0 and (stale or break_lock or other is None):
+                sync(self.store.delete(_LOCK_KEY))
+                continue
+            break
+        assert other is not None
+        raise ArchiveLockedError(
+            f"Archive(): {self._where} is already open for writing by process {other['pid']} "
+            f"on host {other['host']!r} (since {other['since']}); one writer at a time. Open "
+            "it with mode='r' to read; if that writer is gone (and the lock is stale), pass "
+            f"break_lock=True, or delete the key {_LOCK_KEY!r}."
+        )
+
+    def _create(
+        self,
+        storage: RingStorage,
+        compression: str,
+        chunk_steps: int | None,
+        shard_steps: int | None,
+    ) -> dict:
+        where = "Archive()"
+        codecs = _codecs(compression)
+        leaves, _ = _schema_of(storage)
+        rows = storage.rows
+        step_bytes = max(
+            int(np.prod(leaf.shape)) * np.dtype(leaf.stored).itemsize for leaf in leaves
+        )
+        if chunk_steps is None:
+            chunk_steps = min(_MAX_CHUNK_STEPS, _pow2_floor(_CHUNK_BYTES / step_bytes))
+        chunk_steps = check_positive_int(where, "chunk_steps", chunk_steps)
+        if shard_steps is None:
+            shard_steps = chunk_steps * _pow2_floor(
+                _SHARD_BYTES / (rows * chunk_steps * step_bytes)
+            )
+        shard_steps = check_positive_int(where, "shard_steps", shard_steps)
+        if shard_steps % chunk_steps:
+            raise ValueError(
+                f"{where}: shard_steps={shard_steps} must be a multiple of "
+                f"chunk_steps={chunk_steps}."
+            )
+        group = zarr.open_group(self.store, mode="a", zarr_format=3)
+        for leaf in leaves:
+            group.create_array(
+                leaf.name,
+                shape=(rows, 0, *leaf.shape),
+                dtype=leaf.stored,
+                chunks=(1, chunk_steps, *leaf.shape),
+                shards=(rows, shard_steps, *leaf.shape),
+                compressors=codecs,
+                fill_value=0,
+                dimension_names=(
+                    "row",
+                    "time",
+                    *(f"{leaf.name}_{i}" for i in range(len(leaf.shape))),
+                ),
+                attributes={_ATTR: {"path": leaf.path, "dtype": leaf.dtype}},
+                overwrite=True,
+            )
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "rows": rows,
+            "chunk_steps": chunk_steps,
+            "shard_steps": shard_steps,
+            "compression": compression,
+            "leaves": [leaf.as_json() for leaf in leaves],
+            "committed": _Commit().as_json(),
+        }
+        group.update_attributes({_ATTR: meta})  # written last: marks the archive complete
+        return meta
+
+    def _load_meta(self, meta: dict) -> None:
+        version = int(meta["format_version"])
+        if version > FORMAT_VERSION:
+            raise ValueError(
+                f"Archive(): {self._where} has format version {version}, newer than this "
+                f"equibuffer reads ({FORMAT_VERSION}); upgrade equibuffer."
+            )
+        self.rows: int = int(meta["rows"])
+        self.chunk_steps: int = int(meta["chunk_steps"])
+        self.shard_steps: int = int(meta["shard_steps"])
+        self.compression: str = meta["compression"]
+        self.leaves = [
+            _Leaf(d["path"], d["name"], tuple(d["shape"]), d["dtype"], d["stored_dtype"])
+            for d in meta["leaves"]
+        ]
+        self._meta = meta
+        self._commit = _Commit.from_json(meta["committed"])
+        self._open_arrays()
+
+    def _open_arrays(self) -> None:
+        mode = "r" if self.read_only else "r+"
+        self._arrays = {
+            leaf.name: zarr.open_array(self.store, path=leaf.name, mode=mode, zarr_format=3)
+            for leaf in self.leaves
+        }
+
+    def _clean_partial(self) -> None:
+        """Remove the temporary files a killed writer may have left in a local directory."""
+        if isinstance(self.store, zarr.storage.LocalStore):
+            for p in self.store.root.rglob("*.partial"):
+                p.unlink(missing_ok=True)
+
+    def refresh(self) -> int:
+        """Move this reader's snapshot to the newest committed state; returns the length."""
+        record = _get_json(self.store, "zarr.json")
+        assert record is not None
+        self._meta = record["attributes"][_ATTR]
+        self._commit = _Commit.from_json(self._meta["committed"])
+        self._open_arrays()
+        return self._commit.length
+
+    def close(self) -> None:
+        """Release the writer lock (also done at exit); reads still work afterwards."""
+        if self._finalizer is not None:
+            atexit.unregister(self._finalizer)
+            self._finalizer()
+            self._finalizer = None
+        self._token = None
+
+    def __enter__(self) -> "Archive":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------------- counters
+
+    def __len__(self) -> int:
+        """The number of committed time steps (per row) in this snapshot."""
+        return self._commit.length
+
+    @property
+    def source_steps(self) -> int:
+        """The source buffer's count of steps added that this archive has accounted for
+        (written or lost): the next `write` starts there."""
+        return self._commit.source_steps
+
+    @property
+    def steps_lost(self) -> int:
+        """How many of the source's steps were overwritten before being written."""
+        return self._commit.source_steps - self._commit.length
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        """Archive index ranges `[start, stop)` contiguous in the source (one unless steps
+        were lost with `on_lost="warn"`)."""
+        return self._commit.segments()
+
+    def source_step(self, index: int | np.integer) -> int:
+        """The source buffer's absolute step stored at archive time index `index`."""
+        index = int(index)
+        self._check_range("source_step()", index, index + 1)
+        return self._commit.source_step(index)
+
+    def nbytes(self) -> tuple[int, int]:
+        """`(raw, stored)`: the bytes of the committed data and the bytes the store holds."""
+        raw = (
+            self._commit.length
+            * self.rows
+            * sum(int(np.prod(leaf.shape)) * np.dtype(leaf.stored).itemsize for leaf in self.leaves)
+        )
+        stored = sum(int(a.nbytes_stored()) for a in self._arrays.values())
+        return raw, stored
+
+    def compression_ratio(self) -> float:
+        """Raw bytes over stored bytes of the committed data."""
+        raw, stored = self.nbytes()
+        return raw / stored if stored else float("nan")
+
+    # ------------------------------------------------------------------------------ writing
+
+    def _check_writable(self, where: str) -> None:
+        if self.read_only:
+            raise PermissionError(f"{where}: the archive was opened with mode='r' (read-only).")
+        if self._token is None:
+            raise PermissionError(f"{where}: the archive was closed; open it again to write.")
+        held = _get_json(self.store, _LOCK_KEY)
+        other = None if held is None else held["attributes"][_ATTR + "_lock"]
+        if other is None or other["token"] != self._token:
+            self._token = None
+            raise ArchiveLockedError(
+                f"{where}: this writer's lock on {self._where} was broken (by another writer "
+                "with break_lock=True, or deleted); nothing was written. Open it again."
+            )
+
+    def write(self, buffer: Any, *, on_lost: OnLost | None = None) -> int:
+        """Append the steps added to `buffer` since the last write (to this archive, by any
+        process), for every row, and commit them.
+
+        **Arguments:**
+
+        - `buffer`: a buffer (or `RingStorage`) of the archive's schema whose count of steps
+            added is at least `source_steps`.
+        - `on_lost`: overrides the archive's `on_lost` for this call.
+
+        **Returns:**
+
+        The number of time steps written (per row). Steps the ring overwrote before they
+        were written raise `StepsLostError`, or with `on_lost="warn"` are reported with a
+        `StepsLostWarning` and recorded as a gap.
+        """
+        where = "Archive.write()"
+        self._check_writable(where)
+        policy = self.on_lost if on_lost is None else on_lost
+        storage = _storage_of(buffer, where)
+        leaves, _ = _schema_of(storage)
+        diff = _schema_diff(self.leaves, self.rows, leaves, storage.rows)
+        if diff:
+            raise ValueError(f"{where}: the buffer does not match the archive: {'; '.join(diff)}.")
+        total = storage.steps_added()
+        c = self._commit
+        if total > _INT64_MAX:
+            raise OverflowError(f"{where}: {total} steps is beyond int64.")
+        if total < c.source_steps:
+            raise ValueError(
+                f"{where}: the buffer has added {total} steps but the archive already holds the "
+                f"source up to step {c.source_steps}; resume a run with "
+                "`buffer = archive.restore(buffer)` before writing."
+            )
+        new = total - c.source_steps
+        if new == 0:
+            return 0
+        head, fill, length = int(storage.head), int(storage.fill), storage.length
+        keep = min(new, fill)
+        lost = new - keep
+        if lost:
+            msg = (
+                f"{where}: {lost} of the {new} steps added since the last write were overwritten "
+                f"by the ring (max_length={length}) before being written"
+            )
+            if policy == "raise":
+                raise StepsLostError(
+                    msg + "; call write() at least every max_length steps, or pass "
+                    "on_lost='warn' to write the rest and record the gap."
+                )
+            warnings.warn(
+                msg + "; the rest is written and the gap recorded.", StepsLostWarning, stacklevel=2
+            )
+        start = (head - keep) % length
+        pieces = [(start, min(start + keep, length))]
+        if start + keep > length:
+            pieces.append((0, start + keep - length))
+        host = []
+        for leaf, x in zip(self.leaves, jax.tree.leaves(storage.data), strict=True):
+            if keep == length and start == 0 or all(d.platform == "cpu" for d in x.devices()):
+                whole = np.asarray(jax.device_get(x))  # on CPU: a view, no copy
+                parts = [whole[:, a:b] for a, b in pieces]
+            else:  # on an accelerator: bring back only the new steps
+                parts = [np.asarray(jax.device_get(x[:, a:b])) for a, b in pieces]
+            block = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+            host.append(block.view(np.dtype(leaf.stored)))
+        self._append(host)
+        gaps = c.gaps
+        first = c.first_step
+        if lost and c.length == 0:
+            first = c.source_steps + lost
+        elif lost:
+            gaps = (*gaps, (c.length, lost))
+        self._commit_state(_Commit(c.length + keep, total, first, gaps))
+        return keep
+
+    def _append(self, host: list[np.ndarray]) -> None:
+        """Write `host` (per leaf `(rows, k, *leaf)`) after the committed length. Nothing is
+        visible until `_commit_state`."""
+        old = self._commit.length
+        k = host[0].shape[1]
+        new = old + k
+        for leaf in self.leaves:
+            self._arrays[leaf.name].resize((self.rows, new, *leaf.shape))
+        # Blocks aligned to shard boundaries: each shard is written once.
+        bounds = [
+            old,
+            *range((old // self.shard_steps + 1) * self.shard_steps, new, self.shard_steps),
+        ]
+        bounds.append(new)
+        with tqdm(
+            total=k * self.rows,
+            unit="step",
+            desc="archive write",
+            disable=not self.progress,
+            delay=self._progress_delay,
+        ) as bar:
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+                for leaf, block in zip(self.leaves, host, strict=True):
+                    self._arrays[leaf.name][:, a:b] = block[:, a - old : b - old]
+                bar.update((b - a) * self.rows)
+
+    def _commit_state(self, commit: _Commit) -> None:
+        meta = dict(self._meta, committed=commit.as_json())
+        group = zarr.open_group(self.store, mode="r+", zarr_format=3)
+        group.update_attributes({_ATTR: meta})
+        self._meta, self._commit = meta, commit
+
+    # ------------------------------------------------------------------------------ reading
+
+    def _check_range(self, where: str, start: int, stop: int) -> None:
+        n = self._commit.length
+        if not 0 <= start <= stop <= n:
+            raise IndexError(
+                f"{where}: steps [{start}, {stop}) are out of range: the archive holds "
+                f"{n} committed steps (indices 0 to {n - 1}); call refresh() to see newer ones."
+            )
+
+    def _rows_index(self, where: str, rows: Any) -> Any:
+        if rows is None:
+            return slice(None)
+        if isinstance(rows, slice):
+            return rows
+        idx = np.atleast_1d(np.asarray(rows))
+        if idx.dtype.kind not in "iu" or idx.ndim != 1:
+            raise TypeError(f"{where}: `rows` must be None, a slice or ints, got {rows!r}.")
+        if idx.size and not (-self.rows <= idx.min() and idx.max() < self.rows):
+            raise IndexError(f"{where}: `rows` {rows!r} out of range for {self.rows} rows.")
+        return idx % self.rows
+
+    def _unflatten(self, arrays: list[np.ndarray]) -> Any:
+        out = [
+            a.view(np.dtype(leaf.dtype)) if leaf.dtype != leaf.stored else a
+            for leaf, a in zip(self.leaves, arrays, strict=True)
+        ]
+        if self._treedef is not None:
+            return jax.tree.unflatten(self._treedef, out)
+        return {leaf.name: a for leaf, a in zip(self.leaves, out, strict=True)}
+
+    def _read_raw(self, start: int, stop: int, rows: Any) -> list[np.ndarray]:
+        out = []
+        for leaf in self.leaves:
+            arr = self._arrays[leaf.name]
+            if isinstance(rows, slice):
+                out.append(np.asarray(arr[rows, start:stop]))
+            else:
+                out.append(np.asarray(arr.oindex[rows, start:stop]))
+        return out
+
+    def read(
+        self, start: int = 0, stop: int | None = None, *, rows: Any = None
+    ) -> PyTree[np.ndarray]:
+        """Time steps `[start, stop)` (negative counts from the end, like Python) of the
+        selected `rows` (None: all; an int sequence; or a slice), as NumPy arrays
+        `(rows, stop - start, *leaf)` in the buffer's tree structure (a dict by leaf name
+        without `like`). Asking beyond the committed length raises an `IndexError` that
+        says how many steps there are.
+        """
+        where = "Archive.read()"
+        n = self._commit.length
+        start = start + n if start < 0 else start
+        stop = n if stop is None else (stop + n if stop < 0 else stop)
+        self._check_range(where, start, stop)
+        rsel = self._rows_index(where, rows)
+        if stop - start > 4 * self.shard_steps and self.progress:
+            parts = [raw for _, raw in self._iter_raw(start, stop, rsel, self.shard_steps)]
+            return self._unflatten([np.concatenate(p, axis=1) for p in zip(*parts, strict=True)])
+        return self._unflatten(self._read_raw(start, stop, rsel))
+
+    def _iter_raw(self, start: int, stop: int, rows: Any, steps: int) -> Iterator[tuple[int, list]]:
+        with tqdm(
+            total=stop - start,
+            unit="step",
+            desc="archive read",
+            disable=not self.progress,
+            delay=self._progress_delay,
+        ) as bar:
+            for a in range(start, stop, steps):
+                b = min(a + steps, stop)
+                yield a, self._read_raw(a, b, rows)
+                bar.update(b - a)
+
+    def iter(
+        self,
+        steps: int | None = None,
+        *,
+        start: int = 0,
+        stop: int | None = None,
+        rows: Any = None,
+    ) -> Iterator[tuple[int, PyTree[np.ndarray]]]:
+        """Iterate over `[start, stop)` in blocks of `steps` time steps (default
+        `shard_steps`), yielding `(index of the block's first step, data)` with data as in
+        `read`. The snapshot is the one current when iteration starts."""
+        where = "Archive.iter()"
+        steps = self.shard_steps if steps is None else check_positive_int(where, "steps", steps)
+        n = self._commit.length
+        stop = n if stop is None else stop
+        self._check_range(where, start, stop)
+        rsel = self._rows_index(where, rows)
+        for a, raw in self._iter_raw(start, stop, rsel, steps):
+            yield a, self._unflatten(raw)
+
+    # --------------------------------------------------------------------- into a buffer
+
+    def load(
+        self, buffer: Any, start: int | None = None, stop: int | None = None, *, rows: Any = None
+    ) -> Any:
+        """Return `buffer` holding archive steps `[start, stop)` (default: the newest that fit
+        in its ring, within the last contiguous segment), with its counters set as if the
+        source had added steps up to `stop`: ready for offline training with its own
+        `sample`. The steps must fit in `max_length` and not cross a gap of lost steps.
+        """
+        where = "Archive.load()"
+        storage = _storage_of(buffer, where)
+        seg_start = self._commit.segments()[-1][0] if self._commit.length else 0
+        stop = self._commit.length if stop is None else stop
+        if start is None:
+            start = max(stop - storage.length, seg_start if stop > seg_start else 0)
+        self._check_range(where, start, stop)
+        if stop - start > storage.length:
+            raise ValueError(
+                f"{where}: {stop - start} steps do not fit in the buffer's "
+                f"max_length={storage.length}; load fewer steps or use a larger buffer."
+            )
+        for a, b in self._commit.segments():
+            if a < stop and start < b and not (a <= start and stop <= b):
+                raise ValueError(
+                    f"{where}: steps [{start}, {stop}) cross a gap of lost steps at {b}; "
+                    f"load within one segment of {self.segments}."
+                )
+        rsel = self._rows_index(where, rows)
+        sel_rows = len(range(self.rows)[rsel]) if isinstance(rsel, slice) else len(rsel)
+        leaves, _ = _schema_of(storage)
+        diff = _schema_diff(self.leaves, sel_rows, leaves, storage.rows)
+        if diff:
+            raise ValueError(f"{where}: the buffer does not match the archive: {'; '.join(diff)}.")
+        raw = self._read_raw(start, stop, rsel)
+        data = [a.view(np.dtype(leaf.dtype)) for leaf, a in zip(self.leaves, raw, strict=True)]
+        c = self._commit
+        total = c.source_step(stop - 1) + 1 if stop > 0 else c.first_step
+        new_storage = ring_holding(storage, data, total)
+        if storage is buffer:
+            return new_storage
+        return eqx.tree_at(lambda b: b.storage, buffer, new_storage)
+
+    def restore(self, buffer: Any) -> Any:
+        """Return `buffer` holding the newest steps of the archive (as many as fit, after the
+        last gap), with its count of steps added equal to `source_steps`, so that a resumed
+        run continues where the archive stopped and `write` never writes a step twice."""
+        storage = _storage_of(buffer, "Archive.restore()")
+        n = self._commit.length
+        start = max(n - storage.length, self._commit.segments()[-1][0] if n else 0)
+        return self.load(buffer, start, n)
+
+    # ----------------------------------------------------------------------------- sampling
+
+    def sample(
+        self,
+        rng: np.random.Generator | int,
+        batch_size: int,
+        sequence_length: int,
+        *,
+        period: int = 1,
+        rows: Sequence[int] | None = None,
+    ) -> ArchiveSample:
+        """Draw `batch_size` windows of `sequence_length` consecutive steps straight from the
+        archive, reading each touched chunk once (concurrently).
+
+        The distribution: uniform with replacement over every `(row, start)` with `row` in
+        `rows` (default all), `start` a multiple of `period` (archive time index), and the
+        window inside the committed length and inside one contiguous segment (never across a
+        gap of lost steps). Raises `ValueError` when there is no such window.
+        """
+        where = "Archive.sample()"
+        batch_size = check_positive_int(where, "batch_size", batch_size)
+        seq = check_positive_int(where, "sequence_length", sequence_length)
+        period = check_positive_int(where, "period", period)
+        rng = np.random.default_rng(rng)
+        row_ids = np.arange(self.rows) if rows is None else self._rows_index(where, rows)
+        firsts, counts = [], []
+        for a, b in self._commit.segments():
+            first = -(-a // period) * period
+            count = (b - seq - first) // period + 1 if b - seq >= first else 0
+            if count > 0:
+                firsts.append(first)
+                counts.append(count)
+        per_row = int(sum(counts))
+        if per_row == 0 or len(row_ids) == 0:
+            raise ValueError(
+                f"{where}: no window of sequence_length={seq} (period={period}) fits in the "
+                f"{self._commit.length} committed steps; write more or shorten the window."
+            )
+        u = rng.integers(0, len(row_ids) * per_row, size=batch_size)
+        r = row_ids[u // per_row]
+        k = u % per_row
+        cum = np.cumsum([0, *counts])
+        seg = np.searchsorted(cum, k, side="right") - 1
+        starts = np.asarray(firsts)[seg] + (k - cum[seg]) * period
+        return ArchiveSample(self._gather(r, starts, seq), r, starts)
+
+    def _gather(self, rows: np.ndarray, starts: np.ndarray, seq: int) -> Any:
+        ct = self.chunk_steps
+        c0, c1 = starts // ct, (starts + seq - 1) // ct
+        need = sorted(
+            {
+                (int(r), int(c))
+                for r, a, b in zip(rows, c0, c1, strict=True)
+                for c in range(a, b + 1)
+            }
+        )
+        n = self._commit.length
+        out = []
+        for leaf in self.leaves:
+            arr = self._arrays[leaf.name].async_array
+
+            async def fetch(arr: Any = arr) -> list:
+                return await asyncio.gather(
+                    *(arr.getitem((r, slice(c * ct, min((c + 1) * ct, n)))) for r, c in need)
+                )
+
+            chunks = dict(zip(need, sync(fetch()), strict=True))
+            res = np.empty((len(rows), seq, *leaf.shape), np.dtype(leaf.stored))
+            for i, (r, s) in enumerate(zip(rows.tolist(), starts.tolist(), strict=True)):
+                t = 0
+                while t < seq:
+                    c, off = divmod(s + t, ct)
+                    piece = chunks[(r, c)][off : off + seq - t]
+                    res[i, t : t + len(piece)] = piece
+                    t += len(piece)
+            out.append(res)
+        return self._unflatten(out)
+
+
+def as_jax(tree: PyTree[np.ndarray]) -> PyTree[Shaped[Array, "..."]]:
+    """NumPy leaves to JAX arrays (a convenience for feeding archive reads to jitted code)."""
+    return jax.tree.map(jnp.asarray, tree)

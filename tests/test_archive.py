@@ -1,0 +1,439 @@
+"""Tests of the zarr v3 `Archive`. The behaviour tests take a `location` fixture; here it is a
+local directory or an in-memory zarr store, and `test_archive_s3.py` reruns them on S3."""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import zarr
+import zarr.storage
+
+import equibuffer as eb
+from equibuffer._archive import (
+    Archive,
+    ArchiveLockedError,
+    ring_holding,
+    StepsLostError,
+    StepsLostWarning,
+)
+
+from .archive_writer import example, MAX_LENGTH, ROWS, values
+from .helpers import chi_square_pvalue
+
+
+@dataclasses.dataclass
+class Location:
+    store: Any
+    options: dict | None = None
+
+    def open(self, like: Any = None, **kwargs: Any) -> Archive:
+        kwargs.setdefault("progress", False)
+        kwargs.setdefault("chunk_steps", 4)
+        kwargs.setdefault("shard_steps", 8)
+        return Archive(self.store, like, storage_options=self.options, **kwargs)
+
+
+@pytest.fixture(params=["dir", "memory"])
+def location(request, tmp_path) -> Location:
+    if request.param == "dir":
+        return Location(str(tmp_path / "run.zarr"))
+    return Location(zarr.storage.MemoryStore())
+
+
+def new_buffer(rows: int = ROWS, max_length: int = MAX_LENGTH) -> eb.TrajectoryBuffer:
+    return eb.TrajectoryBuffer(
+        example(), add_batch_size=rows, max_length=max_length, sequence_length=2
+    )
+
+
+def add(buffer: eb.TrajectoryBuffer, count: int) -> eb.TrajectoryBuffer:
+    batch = values(buffer.add_batch_size, buffer.storage.steps_added(), count)
+    return buffer.add({k: jnp.asarray(v) for k, v in batch.items()})
+
+
+def expected(first: int, stop: int, rows: int = ROWS) -> dict:
+    return values(rows, first, stop - first)
+
+
+def assert_tree_equal(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype, k
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+# ------------------------------------------------------------------------------- behaviour
+
+
+def test_write_appends_exactly_the_new_steps(location):
+    buffer = new_buffer()
+    rng = np.random.default_rng(0)
+    with location.open(buffer) as archive:
+        total = 0
+        for _ in range(8):
+            n = int(rng.integers(1, MAX_LENGTH + 1))
+            buffer = add(buffer, n)
+            total += n
+            assert archive.write(buffer) == n
+            assert archive.write(buffer) == 0  # nothing new: nothing written twice
+            assert len(archive) == archive.source_steps == total
+        assert_tree_equal(archive.read(), expected(0, total))
+        assert_tree_equal(archive.read(5, 17), expected(5, 17))
+        assert_tree_equal(archive.read(-3), expected(total - 3, total))
+        one = archive.read(2, 9, rows=[1])
+        np.testing.assert_array_equal(one["obs"], expected(2, 9)["obs"][1:])
+        assert one["flag"].dtype == ml_dtypes.bfloat16  # stored as uint16, read back as it was
+
+
+def test_full_ring_is_written_and_one_more_is_lost(location):
+    buffer = new_buffer()
+    with location.open(buffer) as archive:
+        buffer = add(buffer, 3)
+        archive.write(buffer)
+        buffer = add(buffer, MAX_LENGTH)  # exactly a full ring of new steps
+        assert archive.write(buffer) == MAX_LENGTH
+        assert_tree_equal(archive.read(), expected(0, 3 + MAX_LENGTH))
+        buffer = add(buffer, MAX_LENGTH + 5)  # 5 steps overwritten before being written
+        with pytest.raises(StepsLostError, match="5 of the 29 steps"):
+            archive.write(buffer)
+        assert len(archive) == 3 + MAX_LENGTH  # nothing written
+        with pytest.warns(StepsLostWarning, match="5 of the 29 steps"):
+            assert archive.write(buffer, on_lost="warn") == MAX_LENGTH
+        n = 3 + 2 * MAX_LENGTH
+        assert len(archive) == n and archive.source_steps == n + 5 and archive.steps_lost == 5
+        assert archive.segments == [(0, 3 + MAX_LENGTH), (3 + MAX_LENGTH, n)]
+        assert archive.source_step(3 + MAX_LENGTH) == 3 + MAX_LENGTH + 5
+        assert_tree_equal(archive.read(3 + MAX_LENGTH), expected(3 + MAX_LENGTH + 5, n + 5))
+        # Windows never cross the gap; loading across it is refused.
+        s = archive.sample(np.random.default_rng(1), 500, 4)
+        gap = 3 + MAX_LENGTH
+        assert not np.any((s.starts < gap) & (s.starts + 4 > gap))
+        np.testing.assert_array_equal(
+            s.experience["obs"][:, :, 0] % 100_000,
+            np.vectorize(archive.source_step)(s.starts[:, None] + np.arange(4)),
+        )
+        with pytest.raises(ValueError, match="cross a gap"):
+            archive.load(new_buffer(), gap - 2, gap + 2)
+
+
+def test_first_write_after_the_ring_wrapped_is_not_silent(location):
+    buffer = add(new_buffer(), MAX_LENGTH + 10)
+    with location.open(buffer, on_lost="warn") as archive:
+        with pytest.warns(StepsLostWarning, match="10 of the 34"):
+            archive.write(buffer)
+        assert archive.segments == [(0, MAX_LENGTH)] and archive.source_step(0) == 10
+        assert_tree_equal(archive.read(), expected(10, MAX_LENGTH + 10))
+
+
+def test_reopen_continues_and_restore_resumes(location):
+    buffer = add(new_buffer(), 30)
+    with location.open(buffer) as archive:
+        archive.write(add(new_buffer(), 7))
+        assert_tree_equal(archive.read(), expected(0, 7))
+    # The count lives on disk: a reopened archive continues where it stopped.
+    with location.open(buffer) as archive:
+        assert archive.source_steps == 7
+        with pytest.raises(StepsLostError):  # 32 - 7 = 25 new steps, the ring holds 24
+            archive.write(add(buffer, 2))
+        assert archive.write(buffer) == 23
+        assert_tree_equal(archive.read(), expected(0, 30))
+    # Resuming a run: a fresh buffer restored from the archive writes nothing twice.
+    with location.open(buffer) as archive:
+        fresh = new_buffer()
+        with pytest.raises(ValueError, match=r"restore\(buffer\)"):
+            archive.write(add(fresh, 3))
+        restored = archive.restore(fresh)
+        st = restored.storage
+        assert st.steps_added() == 30 and int(st.fill) == MAX_LENGTH
+        assert int(st.head) == int(buffer.storage.head) and archive.write(restored) == 0
+        for a, b in zip(
+            jax.tree.leaves(st.data), jax.tree.leaves(buffer.storage.data), strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert archive.write(add(restored, 5)) == 5
+        assert_tree_equal(archive.read(), expected(0, 35))
+
+
+def test_schema_mismatch_names_the_leaves(location):
+    location.open(new_buffer()).close()
+    other = eb.TrajectoryBuffer(
+        {"obs": jnp.zeros(5, jnp.float32), "flag": jnp.zeros((), jnp.float32), "x": jnp.int32(0)},
+        add_batch_size=3,
+        max_length=8,
+        sequence_length=1,
+    )
+    with pytest.raises(ValueError) as info:
+        location.open(other)
+    msg = str(info.value)
+    assert "rows: the archive has 2, the buffer has add_batch_size=3" in msg
+    assert "leaf ['obs']: shape (4,) in the archive, (5,) in the buffer" in msg
+    assert "leaf ['flag']: dtype bfloat16 in the archive, float32 in the buffer" in msg
+    assert "leaves in the buffer but not in the archive: ['x']" in msg
+    # A failed open releases the lock it took.
+    location.open(new_buffer()).close()
+
+
+def test_out_of_range_reads_are_clear_errors(location):
+    with location.open(new_buffer()) as archive:
+        archive.write(add(new_buffer(), 10))
+        with pytest.raises(IndexError, match=r"steps \[5, 11\) are out of range: the archive "):
+            archive.read(5, 11)
+        with pytest.raises(IndexError, match="holds 10 committed steps"):
+            archive.read(-11)
+        with pytest.raises(IndexError, match="rows"):
+            archive.read(rows=[2])
+        with pytest.raises(ValueError, match="no window of sequence_length=11"):
+            archive.sample(0, 4, 11)
+        with pytest.raises(ValueError, match="do not fit in the buffer's max_length=4"):
+            archive.load(new_buffer(max_length=4), 0, 10)
+
+
+def test_one_writer_at_a_time_any_number_of_readers(location):
+    buffer = add(new_buffer(), 6)
+    writer = location.open(buffer)
+    with pytest.raises(ArchiveLockedError, match="already open for writing by process"):
+        location.open(buffer)
+    readers = [location.open(mode="r") for _ in range(3)]
+    writer.write(buffer)
+    for reader in readers:
+        assert len(reader) == 0  # a snapshot: the committed state when it was opened
+        assert reader.refresh() == 6
+        assert_tree_equal(reader.read(), expected(0, 6))
+    # A stale lock (its writer gone elsewhere) can be broken explicitly.
+    second = location.open(buffer, break_lock=True)
+    with pytest.raises(ArchiveLockedError, match="lock on .* was broken"):
+        writer.write(add(buffer, 1))
+    second.close()
+    with pytest.raises(PermissionError, match="closed"):
+        second.write(buffer)
+    writer.close()
+    location.open(buffer).close()
+
+
+def test_read_only_opening(location):
+    with location.open(new_buffer()) as archive:
+        archive.write(add(new_buffer(), 4))
+    reader = location.open(mode="r")
+    with pytest.raises(PermissionError, match="mode='r'"):
+        reader.write(add(new_buffer(), 5))
+    assert_tree_equal(reader.read(), expected(0, 4))  # a dict by leaf name without `like`
+    with pytest.raises(FileNotFoundError, match="no archive"):
+        Archive(zarr.storage.MemoryStore(), mode="r")
+
+
+def test_committed_steps_never_change_while_a_reader_reads(location):
+    buffer = new_buffer()
+    writer = location.open(buffer)
+    reader = location.open(mode="r")
+    seen: list[np.ndarray] = []
+    for n in (5, 13, 24, 3, 17):
+        buffer = add(buffer, n)
+        writer.write(buffer)
+        reader.refresh()
+        obs = reader.read()["obs"]
+        for old in seen:  # every committed prefix stays exactly as it was
+            np.testing.assert_array_equal(obs[:, : old.shape[1]], old)
+        seen.append(obs)
+    assert seen[-1].shape[1] == 62
+    writer.close()
+
+
+def test_sampling_is_uniform_over_valid_windows(location):
+    seq, period = 3, 2
+    with location.open(new_buffer()) as archive:
+        buffer = new_buffer()
+        for n in (9, 8):
+            buffer = add(buffer, n)
+            archive.write(buffer)
+        rng = np.random.default_rng(0)
+        starts_ok = [s for s in range(0, 17 - seq + 1) if s % period == 0]
+        counts = np.zeros((ROWS, 17), np.int64)
+        for _ in range(20):
+            s = archive.sample(rng, 400, seq, period=period)
+            np.add.at(counts, (s.rows, s.starts), 1)
+            # Each window holds the right steps of the right row, across chunk boundaries.
+            steps = s.starts[:, None] + np.arange(seq)
+            np.testing.assert_array_equal(
+                s.experience["obs"][:, :, 0], s.rows[:, None] * 100_000 + steps
+            )
+        probs = np.zeros((ROWS, 17))
+        probs[:, starts_ok] = 1.0
+        assert chi_square_pvalue(counts.ravel(), probs.ravel()) > 1e-3
+        only = archive.sample(rng, 50, seq, rows=[1])
+        assert np.all(only.rows == 1)
+
+
+def test_iterate_in_chunks(location):
+    with location.open(new_buffer()) as archive:
+        archive.write(add(new_buffer(), 21))
+        blocks = list(archive.iter(5, start=2))
+        assert [a for a, _ in blocks] == [2, 7, 12, 17]
+        obs = np.concatenate([b["obs"] for _, b in blocks], axis=1)
+        np.testing.assert_array_equal(obs, expected(2, 21)["obs"])
+
+
+def test_load_into_a_trajectory_buffer_for_offline_training(location, getkey):
+    with location.open(new_buffer()) as archive:
+        buffer = new_buffer()
+        for _ in range(3):
+            buffer = add(buffer, 20)
+            archive.write(buffer)
+        offline = eb.TrajectoryBuffer(example(), add_batch_size=1, max_length=16, sequence_length=4)
+        offline = archive.load(offline, 30, 46, rows=[1])
+        assert offline.storage.steps_added() == 46 and int(offline.storage.fill) == 16
+        sample = offline.sample(getkey(), 64)
+        obs = np.asarray(sample.experience["obs"][:, :, 0])
+        first = obs[:, :1] - 100_000
+        assert np.all((first >= 30) & (first <= 42))
+        np.testing.assert_array_equal(obs - obs[:, :1], np.broadcast_to(np.arange(4), (64, 4)))
+        np.testing.assert_array_equal(np.asarray(sample.steps), first[:, 0].astype(np.uint32))
+
+
+# ---------------------------------------------------------------------------- local only
+
+
+def test_ring_holding_matches_a_ring_that_saw_every_step():
+    for total in (0, 3, 7, 8, 9, 30):
+        ring = eb.RingStorage({"x": jnp.zeros(2, jnp.int32)}, rows=2, length=8)
+        seen = ring
+        if total:
+            steps = np.arange(total, dtype=np.int32)
+            seen = ring.write({"x": jnp.asarray(np.stack([steps, -steps], -1)[None].repeat(2, 0))})
+        for k in sorted({0, min(total, 8) // 2, min(total, 8)}):
+            held = np.arange(total - k, total, dtype=np.int32)
+            made = ring_holding(ring, [np.stack([held, -held], -1)[None].repeat(2, 0)], total)
+            assert made.steps_added() == total and int(made.head) == int(seen.head)
+            assert int(made.fill) == k
+            slots = (int(seen.head) - k + np.arange(k)) % 8
+            np.testing.assert_array_equal(
+                np.asarray(made.data["x"])[:, slots], np.asarray(seen.data["x"])[:, slots]
+            )
+    big = ring_holding(
+        eb.RingStorage({"x": jnp.zeros(())}, rows=1, length=4), [np.zeros((1, 0))], 2**33 + 5
+    )
+    assert big.steps_added() == 2**33 + 5 and int(big.head) == (2**33 + 5) % 4
+
+
+def test_plain_zarr_layout_readable_by_zarr_and_xarray(tmp_path):
+    import xarray as xr
+
+    path = str(tmp_path / "run.zarr")
+    with Archive(path, new_buffer(), progress=False) as archive:
+        archive.write(add(new_buffer(), 10))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        group = zarr.open_group(path, mode="r")
+        assert sorted(name for name, _ in group.members()) == ["flag", "obs"]
+        np.testing.assert_array_equal(group["obs"][:], expected(0, 10)["obs"])
+        ds = xr.open_zarr(path, zarr_format=3, consolidated=False)
+    assert ds["obs"].dims == ("row", "time", "obs_0") and ds.sizes["time"] == 10
+    np.testing.assert_array_equal(ds["obs"].values, expected(0, 10)["obs"])
+    assert group.attrs["equibuffer"]["committed"]["length"] == 10
+
+
+def test_zip_is_read_only(tmp_path):
+    path = tmp_path / "run.zarr"
+    with Archive(str(path), new_buffer(), progress=False, chunk_steps=4) as archive:
+        archive.write(add(new_buffer(), 9))
+    zipped = shutil.make_archive(str(tmp_path / "run"), "zip", path)
+    assert_tree_equal(Archive(zipped, mode="r").read(), expected(0, 9))
+    with pytest.raises(ValueError, match="zip file, which can only be opened with mode='r'"):
+        Archive(zipped, new_buffer())
+
+
+def test_compression_and_chunk_options(tmp_path):
+    big = eb.TrajectoryBuffer(
+        {"img": jnp.zeros((16, 16, 3), jnp.uint8)},
+        add_batch_size=2,
+        max_length=64,
+        sequence_length=1,
+    )
+    img = np.zeros((2, 64, 16, 16, 3), np.uint8)
+    img[:, :, 4:8, 4:8] = 200  # compressible, like rendered frames
+    big = big.add({"img": jnp.asarray(img)})
+    ratios = {}
+    for compression in ("zstd", "lz4", "none"):
+        with Archive(str(tmp_path / compression), big, compression=compression) as archive:
+            archive.write(big)
+            ratios[compression] = archive.compression_ratio()
+            np.testing.assert_array_equal(archive.read()["img"], img)
+    assert ratios["zstd"] > 10 and ratios["lz4"] > 2 and ratios["none"] < 1.1
+    default = Archive(str(tmp_path / "default"), big)
+    default.close()
+    assert default.shard_steps % default.chunk_steps == 0 and default.chunk_steps >= 64
+    with pytest.raises(ValueError, match="shard_steps=6 must be a multiple of chunk_steps=4"):
+        Archive(str(tmp_path / "bad"), big, chunk_steps=4, shard_steps=6)
+    with pytest.raises((ValueError, TypeError), match="compression"):
+        Archive(str(tmp_path / "bad2"), big, compression="gzip")  # type: ignore[arg-type]
+
+
+def test_progress_bar_can_be_shown_or_turned_off(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(Archive, "_progress_delay", 0.0)
+    buffer = add(new_buffer(), 20)
+    for progress in (True, False):
+        with Archive(str(tmp_path / str(progress)), buffer, progress=progress) as archive:
+            archive.write(buffer)
+            list(archive.iter(5))
+        err = capsys.readouterr().err
+        assert ("archive write" in err and "archive read" in err) == progress
+        assert progress or err == ""
+
+
+# ------------------------------------------------------------------------------ crashes
+
+
+def crash_writer_many_times(store: str, options: str | None, kills: int, seed: int) -> None:
+    """SIGKILL a writer subprocess at random moments; after each kill the archive must open,
+    keep every step it had committed, hold exactly the right data, and accept new writes."""
+    rng = np.random.default_rng(seed)
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, str(root / "tests" / "archive_writer.py"), store]
+    if options:
+        cmd.append(options)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    committed = 0
+    for _ in range(kills):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=root)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # "committed N": opened, restored, about to write
+        assert line.startswith("committed"), line
+        assert int(line.split()[1]) >= committed
+        time.sleep(float(rng.uniform(0.0, 0.4)))
+        proc.send_signal(signal.SIGKILL)
+        rest, _ = proc.communicate()
+        lines = [ln for ln in [line, *rest.splitlines()] if ln.startswith("committed")]
+        committed = int(lines[-1].split()[1])
+        reader = Archive(store, mode="r", storage_options=json.loads(options) if options else None)
+        n = len(reader)
+        assert n >= committed  # no committed step lost (it may have committed one more)
+        if n:
+            assert_tree_equal(reader.read(), expected(0, n))
+        committed = n
+    # After the last kill a new writer takes over (the dead writer's lock is broken) and writes.
+    with Archive(
+        store,
+        new_buffer(),
+        progress=False,
+        storage_options=json.loads(options) if options else None,
+    ) as archive:
+        buffer = archive.restore(new_buffer())
+        assert archive.write(add(buffer, 5)) == 5
+        assert_tree_equal(archive.read(), expected(0, committed + 5))
+
+
+def test_writer_killed_at_random_moments(tmp_path):
+    crash_writer_many_times(str(tmp_path / f"crash-{uuid.uuid4().hex}.zarr"), None, 5, 0)

@@ -1,0 +1,142 @@
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import equibuffer as eb
+
+
+EXAMPLE = {"obs": jnp.zeros(3), "action": jnp.int32(0)}
+
+
+def _traj(**kw):
+    args = dict(add_batch_size=4, max_length=10, sequence_length=3)
+    args.update(kw)
+    return eb.TrajectoryBuffer(EXAMPLE, **args)
+
+
+def _batch(rows=4, t=None):
+    lead = (rows,) if t is None else (rows, t)
+    return {"obs": jnp.zeros((*lead, 3)), "action": jnp.zeros(lead, jnp.int32)}
+
+
+def test_wrong_tree_structure_names_missing_and_extra_leaves():
+    with pytest.raises(
+        ValueError, match=r"missing leaves \['action'\].*unexpected leaves \['act'\]"
+    ):
+        _traj().add({"obs": jnp.zeros((4, 3)), "act": jnp.zeros(4, jnp.int32)})
+
+
+def test_wrong_leaf_shape_names_leaf_expected_and_received():
+    msg = (
+        "add(): leaf ['obs'] has shape (4, 5), expected (add_batch_size=4, 3) for one step "
+        "or (add_batch_size=4, T, 3) for T steps."
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        _traj().add({"obs": jnp.zeros((4, 5)), "action": jnp.zeros(4, jnp.int32)})
+
+
+def test_wrong_add_batch_size_names_the_argument():
+    with pytest.raises(
+        ValueError, match=re.escape("leaf ['action'] has shape (8,), expected (add_batch_size=4,)")
+    ):
+        _traj().add(_batch(rows=8))
+
+
+def test_wrong_dtype_is_not_cast():
+    with pytest.raises(
+        TypeError, match=re.escape("leaf ['action'] has dtype float32, expected int32")
+    ):
+        _traj().add({"obs": jnp.zeros((4, 3)), "action": jnp.zeros(4, jnp.float32)})
+
+
+def test_leaves_with_different_step_counts():
+    with pytest.raises(
+        ValueError, match=r"leaf \['obs'\] holds 2 steps but leaf \['action'\] holds one step"
+    ):
+        _traj().add({"action": jnp.zeros(4, jnp.int32), "obs": jnp.zeros((4, 2, 3))})
+
+
+def test_zero_steps():
+    with pytest.raises(ValueError, match="0 time steps"):
+        _traj().add(_batch(t=0))
+
+
+def test_errors_also_at_trace_time_under_jit():
+    with pytest.raises(TypeError, match="expected int32"):
+        eqx.filter_jit(lambda b, x: b.add(x))(
+            _traj(), {"obs": jnp.zeros((4, 3)), "action": jnp.zeros(4)}
+        )
+
+
+def test_sequence_length_larger_than_ring():
+    with pytest.raises(
+        ValueError, match=r"sequence_length=11 is larger than the ring \(max_length=10"
+    ):
+        _traj(sequence_length=11)
+
+
+def test_period_below_one():
+    with pytest.raises(ValueError, match="`period` must be at least 1, got 0"):
+        _traj(period=0)
+
+
+@pytest.mark.parametrize("min_length", [2, 11])
+def test_min_length_out_of_range(min_length):
+    with pytest.raises(
+        ValueError,
+        match=f"min_length={min_length} is out of range.*sequence_length=3 and max_length=10",
+    ):
+        _traj(min_length=min_length)
+
+
+@pytest.mark.parametrize(
+    "kw,name",
+    [
+        (dict(add_batch_size=0), "add_batch_size"),
+        (dict(max_length=0), "max_length"),
+        (dict(max_length=None, capacity=-5), "capacity"),
+        (dict(max_length=None, max_size=0), "max_size"),
+        (dict(sequence_length=0), "sequence_length"),
+    ],
+)
+def test_non_positive_sizes(kw, name):
+    with pytest.raises(ValueError, match=f"`{name}` must be at least 1"):
+        _traj(**kw)
+
+
+def test_exactly_one_size():
+    with pytest.raises(TypeError, match="give exactly one of `max_length`"):
+        _traj(capacity=100)
+    with pytest.raises(TypeError, match="give exactly one of `max_length`"):
+        eb.TransitionBuffer(EXAMPLE, add_batch_size=2)
+
+
+def test_transition_buffer_needs_two_steps_per_row():
+    with pytest.raises(
+        ValueError, match=r"sequence_length=2 is larger than the ring \(max_length=1"
+    ):
+        eb.TransitionBuffer(EXAMPLE, add_batch_size=4, capacity=4)
+
+
+def test_example_leaf_must_be_an_array():
+    with pytest.raises(TypeError, match=r"example leaf \['reward'\] is float 0.0"):
+        eb.ItemBuffer({"reward": 0.0}, add_batch_size=1, max_length=2)
+
+
+def test_sample_batch_size_must_be_positive():
+    buffer = _traj().add(_batch(t=3))
+    with pytest.raises(ValueError, match="`batch_size` must be at least 1"):
+        buffer.sample(jax.random.key(0), 0)
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_sampling_too_early_raises_instead_of_zeros(jit):
+    buffer = _traj().add(_batch(t=2))  # 2 steps per row < sequence_length 3
+    sample = lambda b, k: b.sample(k, 5)  # noqa: E731
+    if jit:
+        sample = eqx.filter_jit(sample)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="cannot be sampled yet.*buffer.can_sample"):
+        jax.block_until_ready(sample(buffer, jax.random.key(0)))

@@ -1,0 +1,76 @@
+"""The archive's behaviour tests again, on a real S3-compatible server: moto's standalone server
+on 127.0.0.1 and a free port (loopback only), reached through obstore as `s3://bucket/...`."""
+
+import json
+import socket
+import uuid
+
+import boto3
+import pytest
+from moto.server import ThreadedMotoServer
+
+from .test_archive import (  # noqa: F401  (collected again here with the S3 `location`)
+    crash_writer_many_times,
+    Location,
+    test_committed_steps_never_change_while_a_reader_reads,
+    test_first_write_after_the_ring_wrapped_is_not_silent,
+    test_full_ring_is_written_and_one_more_is_lost,
+    test_iterate_in_chunks,
+    test_load_into_a_trajectory_buffer_for_offline_training,
+    test_one_writer_at_a_time_any_number_of_readers,
+    test_out_of_range_reads_are_clear_errors,
+    test_read_only_opening,
+    test_reopen_continues_and_restore_resumes,
+    test_sampling_is_uniform_over_valid_windows,
+    test_schema_mismatch_names_the_leaves,
+    test_write_appends_exactly_the_new_steps,
+)
+
+
+BUCKET = "equibuffer-test"
+
+
+@pytest.fixture(scope="module")
+def s3_options():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    keys = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **keys).create_bucket(
+        Bucket=BUCKET
+    )
+    yield {
+        "endpoint": endpoint,
+        "access_key_id": "testing",
+        "secret_access_key": "testing",
+        "region": "us-east-1",
+        "client_options": {"allow_http": True},
+    }
+    server.stop()
+
+
+@pytest.fixture
+def location(s3_options) -> Location:
+    return Location(f"s3://{BUCKET}/{uuid.uuid4().hex}.zarr", s3_options)
+
+
+def test_s3_lock_is_a_conditional_put(location):
+    """Two writers racing on S3: the lock is taken with a create-only PUT, so exactly one
+    wins (the second one here is in the same process, so its lock is not stale)."""
+    from equibuffer._archive import ArchiveLockedError
+
+    from .test_archive import new_buffer
+
+    first = location.open(new_buffer())
+    with pytest.raises(ArchiveLockedError):
+        location.open(new_buffer())
+    first.close()
+    location.open(new_buffer()).close()
+
+
+def test_s3_writer_killed_at_random_moments(s3_options):
+    store = f"s3://{BUCKET}/crash-{uuid.uuid4().hex}.zarr"
+    crash_writer_many_times(store, json.dumps(s3_options), 2, 1)

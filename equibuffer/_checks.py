@@ -33,7 +33,7 @@ def as_example_leaf(path: Sequence[Any], leaf: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(leaf.shape), jnp.dtype(leaf.dtype))
 
 
-def check_structure(where: str, expected: jax.tree_util.PyTreeDef, tree: Any) -> list:
+def check_structure(where: str, expected: Any, tree: Any) -> list:
     """Flatten `tree` with paths and check it has the expected structure."""
     got, got_def = jax.tree_util.tree_flatten_with_path(tree)
     if got_def == expected:
@@ -55,7 +55,7 @@ def check_structure(where: str, expected: jax.tree_util.PyTreeDef, tree: Any) ->
     )
 
 
-def expected_paths(treedef: jax.tree_util.PyTreeDef) -> list:
+def expected_paths(treedef: Any) -> list:
     dummy = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
     return [p for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
 

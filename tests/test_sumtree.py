@@ -1,0 +1,238 @@
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from equibuffer._sumtree import SumTree
+
+from .helpers import chi_square_pvalue
+
+
+FANOUTS = [None, 2, 3, 16]
+
+
+def _reference_set(ref: np.ndarray, indices, values) -> None:
+    # NumPy's fancy assignment: with duplicate indices, the last value wins.
+    ref[np.asarray(indices)] = np.asarray(values, np.float32)
+
+
+def _check_against(tree: SumTree, ref: np.ndarray) -> None:
+    np.testing.assert_array_equal(np.asarray(tree.values()), ref.astype(np.float32))
+    np.testing.assert_allclose(float(tree.total()), ref.astype(np.float64).sum(), rtol=1e-5)
+    # Every internal node is the sum of its children; padding stays zero.
+    k = tree.fanout
+    for below, above in zip(tree.levels[:-1], tree.levels[1:], strict=True):
+        sums = np.asarray(below, np.float64).reshape(-1, k).sum(axis=1)
+        np.testing.assert_allclose(np.asarray(above)[: sums.shape[0]], sums, rtol=1e-5, atol=1e-6)
+    assert not np.asarray(tree.levels[0])[tree.capacity :].any()
+
+
+CAPACITIES = [1, 5, 23, 64, 300]
+BATCH = 8  # fixed batch shape: one compilation per (capacity, fanout)
+
+
+@st.composite
+def _updates(draw):
+    capacity = draw(st.sampled_from(CAPACITIES))
+    fanout = draw(st.sampled_from(FANOUTS))
+    batches = []
+    for _ in range(draw(st.integers(1, 5))):
+        # Few distinct indices, so that duplicates within a batch are common.
+        pool = draw(st.lists(st.integers(0, capacity - 1), min_size=1, max_size=BATCH))
+        indices = draw(st.lists(st.sampled_from(pool), min_size=BATCH, max_size=BATCH))
+        values = draw(
+            st.lists(
+                st.one_of(st.just(0.0), st.floats(0.0, 1e3, width=32, allow_subnormal=False)),
+                min_size=BATCH,
+                max_size=BATCH,
+            )
+        )
+        batches.append((np.array(indices, np.int32), np.array(values, np.float32)))
+    return capacity, fanout, batches
+
+
+_set = eqx.filter_jit(SumTree.set)
+_get = eqx.filter_jit(SumTree.get)
+_find = eqx.filter_jit(SumTree.find)
+_sample = eqx.filter_jit(SumTree.sample)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_updates())
+def test_set_get_total_match_numpy(case):
+    capacity, fanout, batches = case
+    tree = SumTree(capacity, fanout)
+    ref = np.zeros(capacity, np.float32)
+    for indices, values in batches:
+        tree = _set(tree, jnp.asarray(indices), jnp.asarray(values))
+        _reference_set(ref, indices, values)
+        _check_against(tree, ref)
+        probe = np.arange(capacity, dtype=np.int32)
+        np.testing.assert_array_equal(np.asarray(_get(tree, jnp.asarray(probe))), ref[probe])
+
+
+@settings(max_examples=25, deadline=None)
+@given(_updates(), st.integers(0, 2**31 - 1))
+def test_find_and_sample_match_numpy(case, seed):
+    capacity, fanout, batches = case
+    tree = SumTree(capacity, fanout)
+    ref = np.zeros(capacity, np.float32)
+    for indices, values in batches:
+        tree = _set(tree, jnp.asarray(indices), jnp.asarray(values))
+        _reference_set(ref, indices, values)
+    if not (ref > 0).any():
+        return
+    # The middle of each positive leaf's cumulative interval finds that leaf (leaves far above
+    # the float32 rounding of the running sum, so that the middle is unambiguous).
+    before = np.concatenate([[0.0], np.cumsum(ref.astype(np.float64))[:-1]])
+    clear = np.flatnonzero(ref > 1e-4 * ref.astype(np.float64).sum())
+    middles = np.zeros(capacity, np.float32)
+    middles[: clear.size] = (before + ref / 2.0)[clear]
+    found = np.asarray(_find(tree, jnp.asarray(middles)))[: clear.size]
+    np.testing.assert_array_equal(found, clear)
+    # Draws (stratified or not) only ever land on leaves of positive priority, including for
+    # prefixes at and past the total.
+    for stratified in (True, False):
+        draws = _sample(tree, jax.random.key(seed), 64, stratified=stratified)
+        assert (ref[np.asarray(draws)] > 0).all()
+    total = np.float32(tree.total())
+    edge = jnp.array([total, np.nextafter(total, np.float32(np.inf))] * (capacity // 2 + 1))
+    assert (ref[np.asarray(_find(tree, edge[:capacity]))] > 0).all()
+
+
+def test_duplicate_indices_last_one_wins():
+    tree = SumTree(10, 2).set(jnp.array([3, 5, 3, 3, 5]), jnp.array([1.0, 2.0, 7.0, 4.0, 0.0]))
+    np.testing.assert_array_equal(np.asarray(tree.get(jnp.array([3, 5]))), [4.0, 0.0])
+    assert float(tree.total()) == 4.0
+    # Under jit as well, and for a dense (one-level) tree.
+    dense = eqx.filter_jit(SumTree.set)(SumTree(10), jnp.array([1, 1]), jnp.array([2.0, 3.0]))
+    assert dense.fanout >= 10 and float(dense.total()) == 3.0
+
+
+@pytest.mark.parametrize("fanout", FANOUTS)
+def test_zero_priorities_are_never_drawn(fanout):
+    tree = SumTree(37, fanout)
+    values = np.zeros(37, np.float32)
+    values[[0, 17, 36]] = [1.0, 1e-6, 5.0]
+    tree = _set(tree, jnp.arange(37), jnp.asarray(values))
+    draws = np.asarray(_sample(tree, jax.random.key(0), 4096, stratified=False))
+    assert set(np.unique(draws).tolist()) <= {0, 17, 36}
+    # Setting a leaf back to zero removes it exactly.
+    tree = _set(tree, jnp.array([36]), jnp.array([0.0]))
+    assert float(tree.total()) == pytest.approx(1.0 + 1e-6)
+    draws = np.asarray(_sample(tree, jax.random.key(1), 4096))
+    assert set(np.unique(draws).tolist()) <= {0, 17}
+
+
+@pytest.mark.parametrize("fanout", FANOUTS)
+@pytest.mark.parametrize("stratified", [True, False])
+def test_sampling_frequencies_chi_square(fanout, stratified):
+    capacity = 23  # not a power of two, nor a multiple of any fanout tried
+    rng = np.random.default_rng(0)
+    values = rng.gamma(1.0, size=capacity).astype(np.float32)
+    values[[4, 9]] = 0.0
+    tree = SumTree(capacity, fanout).set(jnp.arange(capacity), jnp.asarray(values))
+    keys = jax.random.split(jax.random.key(3), 40)
+    draws = jax.jit(jax.vmap(lambda k: tree.sample(k, 512, stratified=stratified)))(keys)
+    counts = np.bincount(np.asarray(draws).ravel(), minlength=capacity)
+    assert chi_square_pvalue(counts, values) > 1e-3
+
+
+def test_capacity_one():
+    tree = SumTree(1)
+    assert float(tree.total()) == 0.0
+    tree = tree.set(jnp.array([0, 0]), jnp.array([2.0, 3.0]))
+    assert float(tree.total()) == 3.0
+    np.testing.assert_array_equal(np.asarray(tree.sample(jax.random.key(0), 5)), np.zeros(5))
+    np.testing.assert_array_equal(
+        np.asarray(SumTree(1, 2).set(jnp.array([0]), jnp.array([1.0])).values()), [1.0]
+    )
+
+
+def test_large_batch_takes_the_dense_rebuild_path():
+    # A batch as large as the tree rebuilds every level in one pass; same result.
+    rng = np.random.default_rng(1)
+    indices = rng.integers(0, 50, size=200).astype(np.int32)
+    values = rng.random(200).astype(np.float32)
+    ref = np.zeros(50, np.float32)
+    _reference_set(ref, indices, values)
+    for fanout in (2, 4):
+        tree = SumTree(50, fanout).set(jnp.asarray(indices), jnp.asarray(values))
+        _check_against(tree, ref)
+
+
+def test_no_error_accumulates_over_many_updates():
+    """10^5 batched updates (16 leaves each) on 10^6 leaves: the root still matches a float64
+    sum of the leaves to 1e-5, because every node is recomputed from its children."""
+    capacity, steps, batch = 10**6, 10**5, 16
+    tree = SumTree(capacity)
+    assert tree.fanout > 2 and len(tree.levels) > 3
+
+    @jax.jit
+    def run(tree, key):
+        def body(tree, key):
+            k1, k2 = jax.random.split(key)
+            indices = jax.random.randint(k1, (batch,), 0, capacity)
+            values = jax.random.uniform(k2, (batch,), jnp.float32) * 1e3
+            return tree.set(indices, values), None
+
+        return jax.lax.scan(body, tree, jax.random.split(key, steps))[0]
+
+    tree = run(tree, jax.random.key(0))
+    leaves = np.asarray(tree.values(), np.float64)
+    assert np.count_nonzero(leaves) > 10**5
+    np.testing.assert_allclose(float(tree.total()), leaves.sum(), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ([1.0, -1.0], "non-negative and finite"),
+        ([np.nan, 1.0], "non-negative and finite"),
+        ([np.inf, 1.0], "non-negative and finite"),
+    ],
+)
+def test_bad_values_raise_inside_jit(values, message):
+    set_ = eqx.filter_jit(SumTree.set)
+    with pytest.raises(Exception, match=message):
+        set_(SumTree(4), jnp.array([0, 1]), jnp.array(values, jnp.float32))
+
+
+def test_out_of_range_index_raises_inside_jit():
+    with pytest.raises(Exception, match=r"\[0, capacity=4\)"):
+        eqx.filter_jit(SumTree.set)(SumTree(4), jnp.array([4]), jnp.array([1.0]))
+    with pytest.raises(Exception, match=r"\[0, capacity=4\)"):
+        eqx.filter_jit(SumTree.get)(SumTree(4), jnp.array([-1]))
+
+
+def test_construction_and_shape_errors():
+    with pytest.raises(ValueError, match="`capacity` must be at least 1"):
+        SumTree(0)
+    with pytest.raises(ValueError, match="`fanout` must be at least 2"):
+        SumTree(8, 1)
+    # (Caught by jaxtyping's runtime check in tests, by the method's own check otherwise.)
+    with pytest.raises(Exception, match="values"):
+        SumTree(8).set(jnp.array([0, 1]), jnp.array([1.0]))
+    with pytest.raises(Exception, match="indices"):
+        SumTree(8).get(jnp.array([0.0]))
+
+
+def test_jit_does_not_retrace_and_vmaps():
+    @eqx.filter_jit(donate="all")
+    @eqx.debug.assert_max_traces(max_traces=1)
+    def step(tree, key):
+        k1, k2 = jax.random.split(key)
+        tree = tree.set(jax.random.randint(k1, (8,), 0, 100), jnp.ones(8))
+        return tree, tree.sample(k2, 4)
+
+    tree = SumTree(100)
+    for i in range(5):
+        tree, _ = step(tree, jax.random.key(i))
+    assert 0 < float(tree.total()) <= 40.0
+    # A batch of trees (e.g. one per seed) under vmap.
+    trees = jax.vmap(lambda v: SumTree(6).set(jnp.arange(6), v))(jnp.eye(6))
+    draws = jax.vmap(lambda t, k: t.sample(k, 3))(trees, jax.random.split(jax.random.key(0), 6))
+    np.testing.assert_array_equal(np.asarray(draws), np.repeat(np.arange(6)[:, None], 3, 1))

@@ -53,7 +53,7 @@ _ATTR = "equibuffer"
 _LOCK_KEY = "_writer_lock/zarr.json"
 _TWO_32 = 1 << 32
 _INT64_MAX = (1 << 63) - 1
-_CHUNK_BYTES = 1 << 20  # target uncompressed bytes of one chunk (one row)
+_CHUNK_BYTES = 1 << 17  # target uncompressed bytes of one chunk (one row)
 _SHARD_BYTES = 32 << 20  # target uncompressed bytes of one shard (all rows)
 _MAX_CHUNK_STEPS = 1 << 14
 
@@ -386,7 +386,8 @@ class Archive:
             disk's, measured in `benchmarks/bench_archive.py`), `"lz4"` (blosc, faster, lower
             ratio) or `"none"`. Only used when creating.
         - `chunk_steps`, `shard_steps`: time steps per chunk (one row) and per shard (all
-            rows); by default about 1 MiB per chunk and 32 MiB per shard, in powers of two.
+            rows); by default about 128 KiB per chunk (small, for random windows) and 32 MiB
+            per shard, in powers of two.
             Only used when creating. `shard_steps` must be a multiple of `chunk_steps`.
         - `on_lost`: what `write` does when the ring has overwritten steps never written:
             `"raise"` a `StepsLostError` (the default) or `"warn"`: write the steps still held,
@@ -453,6 +454,7 @@ class Archive:
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         lock = {"zarr_format": 3, "node_type": "group", "attributes": {_ATTR + "_lock": info}}
+        other = None
         for attempt in range(2):
             _put_json(self.store, _LOCK_KEY, lock, exclusive=True)
             held = _get_json(self.store, _LOCK_KEY)
@@ -954,34 +956,30 @@ class Archive:
         return ArchiveSample(self._gather(r, starts, seq), r, starts)
 
     def _gather(self, rows: np.ndarray, starts: np.ndarray, seq: int) -> Any:
-        ct = self.chunk_steps
-        c0, c1 = starts // ct, (starts + seq - 1) // ct
-        need = sorted(
-            {
-                (int(r), int(c))
-                for r, a, b in zip(rows, c0, c1, strict=True)
-                for c in range(a, b + 1)
-            }
-        )
-        n = self._commit.length
+        # One orthogonal selection per (leaf, row) of the union of that row's window steps:
+        # zarr reads each touched chunk once, and all selections run concurrently.
+        steps = starts[:, None] + np.arange(seq)
+        plan = []
+        for r in np.unique(rows).tolist():
+            mine = rows == r
+            times = np.unique(steps[mine])
+            plan.append((r, mine, times, np.searchsorted(times, steps[mine])))
+
+        async def fetch() -> list:
+            return await asyncio.gather(
+                *(
+                    self._arrays[leaf.name].async_array.get_orthogonal_selection((r, times))
+                    for leaf in self.leaves
+                    for r, _, times, _ in plan
+                )
+            )
+
+        got = iter(sync(fetch()))
         out = []
         for leaf in self.leaves:
-            arr = self._arrays[leaf.name].async_array
-
-            async def fetch(arr: Any = arr) -> list:
-                return await asyncio.gather(
-                    *(arr.getitem((r, slice(c * ct, min((c + 1) * ct, n)))) for r, c in need)
-                )
-
-            chunks = dict(zip(need, sync(fetch()), strict=True))
             res = np.empty((len(rows), seq, *leaf.shape), np.dtype(leaf.stored))
-            for i, (r, s) in enumerate(zip(rows.tolist(), starts.tolist(), strict=True)):
-                t = 0
-                while t < seq:
-                    c, off = divmod(s + t, ct)
-                    piece = chunks[(r, c)][off : off + seq - t]
-                    res[i, t : t + len(piece)] = piece
-                    t += len(piece)
+            for _, mine, _, where in plan:
+                res[mine] = np.asarray(next(got))[where]
             out.append(res)
         return self._unflatten(out)
 

@@ -374,7 +374,7 @@ def test_compression_and_chunk_options(tmp_path):
     assert ratios["zstd"] > 10 and ratios["lz4"] > 2 and ratios["none"] < 1.1
     default = Archive(str(tmp_path / "default"), big)
     default.close()
-    assert default.shard_steps % default.chunk_steps == 0 and default.chunk_steps >= 64
+    assert default.shard_steps % default.chunk_steps == 0 and default.chunk_steps >= 16
     with pytest.raises(ValueError, match="shard_steps=6 must be a multiple of chunk_steps=4"):
         Archive(str(tmp_path / "bad"), big, chunk_steps=4, shard_steps=6)
     with pytest.raises((ValueError, TypeError), match="compression"):

@@ -1,0 +1,241 @@
+"""Archive benchmark, side by side with Flashbax's Vault (tensorstore) in the same run, plus the
+disk's own sequential bandwidth (write + fsync, then read, of one big file with NumPy).
+
+Observations `(32, 32, 3)` uint8 and float32, 8 rows, written block by block from a ring of
+`--block` steps per row, then read back whole; random windows of 8 steps sampled straight
+from a freshly opened archive against reading each window with its own zarr slice; and the
+compression ratio (and speed) of each codec on realistic, compressible frames.
+
+    python -m benchmarks.bench_archive            # 2**17 steps (16384 per row)
+    python -m benchmarks.bench_archive --quick    # 2**14 steps
+    python -m benchmarks.bench_archive --steps 1000000   # the issue's full size (12 GB float32)
+
+Page caches are not dropped (no root needed): reads may be served from memory, for the disk
+figure and for both libraries alike. Timings are noisy on a shared machine; compare ratios.
+"""
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import zarr
+
+import equibuffer as eb
+from equibuffer._archive import Archive
+
+from ._timing import table
+
+
+ROWS, SHAPE, SEQ = 8, (32, 32, 3), 8
+
+
+def frames(rows: int, steps: int, seed: int) -> np.ndarray:
+    """Synthetic rendered frames, `(rows, steps, 32, 32, 3)` uint8: a scrolling gradient
+    background, a moving square and 5% of pixels with sensor noise (compressible, not trivial)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:32, 0:32]
+    t = np.arange(steps)[:, None, None]
+    out = np.empty((rows, steps, 32, 32, 3), np.uint8)
+    for r in range(rows):
+        out[r, ..., 0] = (x * 4 + t + 9 * r) % 256
+        out[r, ..., 1] = (y * 4)[None] % 256
+        out[r, ..., 2] = 60 + r
+        for i in range(steps):
+            cx, cy = (i * 3 + r) % 28, (i * 5) % 28
+            out[r, i, cy : cy + 4, cx : cx + 4] = (255, 0, 0)
+        noise = rng.random((steps, 32, 32)) < 0.05
+        out[r][noise] = rng.integers(0, 256, (int(noise.sum()), 3), dtype=np.uint8)
+    return out
+
+
+def disk_bandwidth(folder: str, nbytes: int) -> tuple[float, float]:
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    path = os.path.join(folder, "disk.bin")
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        data.tofile(f)
+        f.flush()
+        os.fsync(f.fileno())
+    w = nbytes / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    np.fromfile(path, np.uint8)
+    r = nbytes / (time.perf_counter() - t0)
+    os.remove(path)
+    return w, r
+
+
+def mbps(nbytes: float, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e6:.0f} MB/s"
+
+
+def bench_dtype(folder: str, dtype: str, steps: int, block: int, compression: str) -> dict:
+    per_row = steps // ROWS
+    blocks = per_row // block
+    source = frames(ROWS, block, seed=1)
+    obs = source if dtype == "uint8" else (source / 255).astype(np.float32)
+    payload = blocks * block * ROWS * obs[0, 0].nbytes
+    example = {"obs": jnp.zeros(SHAPE, dtype)}
+    buffer = eb.TrajectoryBuffer(example, add_batch_size=ROWS, max_length=block, sequence_length=1)
+    path = os.path.join(folder, f"eb-{dtype}-{compression}.zarr")
+    archive = Archive(path, buffer, compression=compression, progress=False)
+    t_write = 0.0
+    for i in range(blocks):
+        rolled = np.roll(obs, i, axis=1)  # different data in every block
+        buffer = buffer.add({"obs": jnp.asarray(rolled)})
+        t0 = time.perf_counter()
+        archive.write(buffer)
+        t_write += time.perf_counter() - t0
+    ratio = archive.compression_ratio()
+    archive.close()
+    reader = Archive(path, mode="r", progress=False)
+    t0 = time.perf_counter()
+    back = reader.read()["obs"]
+    t_read = time.perf_counter() - t0
+    assert back.shape == (ROWS, blocks * block, *SHAPE)
+    return {
+        "path": path,
+        "payload": payload,
+        "write_s": t_write,
+        "read_s": t_read,
+        "ratio": ratio,
+        "obs": obs,
+        "blocks": blocks,
+    }
+
+
+def bench_vault(folder: str, dtype: str, obs: np.ndarray, blocks: int) -> tuple[float, float]:
+    from flashbax.buffers.trajectory_buffer import TrajectoryBufferState
+    from flashbax.vault import Vault
+
+    block = obs.shape[1]
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        first = {"obs": jnp.asarray(obs)}
+        state = TrajectoryBufferState(
+            experience=first, current_index=jnp.int32(0), is_full=jnp.bool_(True)
+        )
+        vault = Vault(f"vault-{dtype}", experience_structure=state.experience, vault_uid="x")
+        t_write = 0.0
+        for i in range(blocks):
+            exp = {"obs": jnp.asarray(np.roll(obs, i, axis=1))}
+            state = TrajectoryBufferState(
+                experience=exp, current_index=jnp.int32(0), is_full=jnp.bool_(True)
+            )
+            t0 = time.perf_counter()
+            vault.write(state, source_interval=(0, block))
+            t_write += time.perf_counter() - t0
+        reader = Vault(f"vault-{dtype}", vault_uid="x")
+        t0 = time.perf_counter()
+        back = reader.read().experience["obs"]
+        back.block_until_ready()
+        t_read = time.perf_counter() - t0
+        assert back.shape[1] == blocks * block
+    finally:
+        os.chdir(cwd)
+    return t_write, t_read
+
+
+def bench_windows(path: str, batches: int) -> tuple[float, float, int]:
+    reader = Archive(path, mode="r", progress=False)  # freshly opened: no chunk cached by us
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    n = 0
+    for _ in range(batches):
+        reader.sample(rng, 256, SEQ)
+        n += 256
+    batched = n / (time.perf_counter() - t0)
+    arr = zarr.open_array(path, path="obs", mode="r")
+    length = len(reader)
+    t0 = time.perf_counter()
+    m = 200
+    for _ in range(m):
+        r, s = int(rng.integers(ROWS)), int(rng.integers(length - SEQ + 1))
+        arr[r, s : s + SEQ]
+    one = m / (time.perf_counter() - t0)
+    return batched, one, length
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--steps", type=int, default=None, help="total steps (rows x time)")
+    parser.add_argument("--block", type=int, default=2048, help="ring length per row")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    args = parser.parse_args()
+    steps = args.steps or (2**14 if args.quick else 2**17)
+    block = min(args.block, steps // ROWS)
+    folder = tempfile.mkdtemp(prefix="bench-archive-", dir=args.dir)
+    try:
+        print(f"{steps} steps = {ROWS} rows x {steps // ROWS}, obs {SHAPE}, ring {block}/row")
+        nbytes = min(steps * int(np.prod(SHAPE)) * 4, 1 << 30)
+        dw, dr = disk_bandwidth(folder, nbytes)
+        print(
+            f"disk: write+fsync {dw / 1e6:.0f} MB/s, read {dr / 1e6:.0f} MB/s ({nbytes >> 20} MiB)"
+        )
+        rows = []
+        windows = []
+        for dtype in ("uint8", "float32"):
+            for compression in ("zstd", "lz4", "none"):
+                r = bench_dtype(folder, dtype, steps, block, compression)
+                row = {
+                    "dtype": dtype,
+                    "store": f"equibuffer ({compression})",
+                    "write": mbps(r["payload"], r["write_s"]),
+                    "read": mbps(r["payload"], r["read_s"]),
+                    "write/disk": f"{r['payload'] / r['write_s'] / dw:.2f}",
+                    "read/disk": f"{r['payload'] / r['read_s'] / dr:.2f}",
+                    "ratio": f"{r['ratio']:.2f}",
+                }
+                if compression == "zstd":
+                    default = r
+                    wb, wo, length = bench_windows(r["path"], 8 if args.quick else 40)
+                    windows.append(
+                        {
+                            "dtype": dtype,
+                            "archive steps/row": length,
+                            "sample() windows/s": f"{wb:.0f}",
+                            "one zarr slice each, windows/s": f"{wo:.0f}",
+                            "speed-up": f"{wb / wo:.1f}x",
+                        }
+                    )
+                rows.append(row)
+                shutil.rmtree(r["path"])
+            vw, vr = bench_vault(folder, dtype, default["obs"], default["blocks"])
+            rows.append(
+                {
+                    "dtype": dtype,
+                    "store": "flashbax Vault",
+                    "write": mbps(default["payload"], vw),
+                    "read": mbps(default["payload"], vr),
+                    "write/disk": f"{default['payload'] / vw / dw:.2f}",
+                    "read/disk": f"{default['payload'] / vr / dr:.2f}",
+                    "ratio": "",
+                }
+            )
+            rows.append(
+                {
+                    "dtype": dtype,
+                    "store": "zstd vs Vault",
+                    "write": f"{vw / default['write_s']:.1f}x",
+                    "read": f"{vr / default['read_s']:.1f}x",
+                    "write/disk": "",
+                    "read/disk": "",
+                    "ratio": "",
+                }
+            )
+        print(table(rows))
+        print(
+            "\nRandom windows of 8 steps, uniform over (row, start), from a freshly opened archive"
+        )
+        print(table(windows))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

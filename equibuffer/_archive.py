@@ -269,7 +269,7 @@ def _open_store(store: Any, storage_options: dict | None, read_only: bool) -> St
                 f"Archive(): {s!r} is a zip file, which can only be opened with mode='r' "
                 "(a zip cannot replace entries atomically): write to a directory, then zip it."
             )
-        return zarr.storage.ZipStore(s, mode="r")
+        return sync(zarr.storage.ZipStore.open(s, mode="r"))
     return zarr.storage.LocalStore(s, read_only=read_only)
 
 

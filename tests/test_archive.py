@@ -404,17 +404,20 @@ def crash_writer_many_times(store: str, options: str | None, kills: int, seed: i
     cmd = [sys.executable, str(root / "tests" / "archive_writer.py"), store]
     if options:
         cmd.append(options)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
     committed = 0
     for _ in range(kills):
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=root)
         assert proc.stdout is not None
-        line = proc.stdout.readline()  # "committed N": opened, restored, about to write
-        assert line.startswith("committed"), line
-        assert int(line.split()[1]) >= committed
-        time.sleep(float(rng.uniform(0.0, 0.4)))
-        proc.send_signal(signal.SIGKILL)
-        rest, _ = proc.communicate()
+        try:
+            line = proc.stdout.readline()  # "committed N": opened, restored, about to write
+            assert line.startswith("committed"), line
+            assert int(line.split()[1]) >= committed
+            time.sleep(float(rng.uniform(0.0, 0.4)))
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            rest, _ = proc.communicate()
         lines = [ln for ln in [line, *rest.splitlines()] if ln.startswith("committed")]
         committed = int(lines[-1].split()[1])
         reader = Archive(store, mode="r", storage_options=json.loads(options) if options else None)

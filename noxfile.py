@@ -13,9 +13,9 @@ PYPROJECT = nox.project.load_toml("pyproject.toml")
 PYTHONS = ["3.11", "3.12"]
 
 
-def install(session: nox.Session, *groups: str) -> None:
+def install(session: nox.Session, *groups: str, package: str = ".") -> None:
     deps = [d for g in groups for d in nox.project.dependency_groups(PYPROJECT, g)]
-    session.install("-e", ".", *deps)
+    session.install("-e", package, *deps)
 
 
 @nox.session(python=PYTHONS)
@@ -36,7 +36,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.12")
 def typecheck(session: nox.Session) -> None:
     """pyright over the package."""
-    install(session, "typecheck")
+    install(session, "typecheck", package=".[s3]")
     session.run("pyright")
 
 

@@ -1,5 +1,12 @@
 """equibuffer: experience-replay buffers for JAX as immutable Equinox modules."""
 
+from ._archive import (
+    Archive as Archive,
+    ArchiveLockedError as ArchiveLockedError,
+    ArchiveSample as ArchiveSample,
+    StepsLostError as StepsLostError,
+    StepsLostWarning as StepsLostWarning,
+)
 from ._buffers._base import (
     AbstractBuffer as AbstractBuffer,
     Sample as Sample,

@@ -1,11 +1,14 @@
 import abc
 import math
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeAlias, TypeVar
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray, PyTree, Shaped
 
-from .._checks import check_positive_int
+from .._checks import check_positive_int, check_structure, keystr
 from .._custom_types import BoolScalar, ExperienceBatch, Indices, IntScalar, Steps
 from .._ring import RingStorage
 from .._windows import gather, uniform_windows, window_layout
@@ -112,12 +115,74 @@ class AbstractBuffer(eqx.Module):
         )
         return indices, steps, gather(self.storage, indices, self.sequence_length)
 
+    def update(self: _Buffer, fn: "UpdateFn") -> _Buffer:
+        """Return the buffer with `fn` applied to every stored step (reward relabelling,
+        recomputing a field, ...). Slots not written yet are left untouched.
+
+        **Arguments:**
+
+        - `fn`: a function of one step (a tree like the example, leaves `(*leaf)`) returning a
+            tree of the same structure, shapes and dtypes (checked at trace time; the error
+            names the leaf). It is vmapped over every `(row, slot)` of the storage.
+
+        **Returns:**
+
+        The updated buffer (same shapes and dtypes, so a jitted step does not retrace). The
+        cost is that of `fn` over the whole capacity.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            buffer = eb.ItemBuffer({"reward": jnp.float32(0)}, add_batch_size=2, capacity=8)
+            buffer = buffer.add({"reward": jnp.ones(2, jnp.float32)})
+            buffer = buffer.update(lambda step: {"reward": 2 * step["reward"]})
+            assert buffer.storage.data["reward"][:, 0].tolist() == [2.0, 2.0]
+            assert buffer.storage.data["reward"][:, 1].tolist() == [0.0, 0.0]  # unwritten
+            ```
+        """
+        storage = update_storage(self.storage, fn, type(self).__name__)
+        return eqx.tree_at(lambda b: b.storage, self, storage)
+
     @abc.abstractmethod
     def sample(self, key: PRNGKeyArray, batch_size: int) -> Sample:
         """Draw `batch_size` windows uniformly, with replacement, over all valid windows.
 
         Raises inside jit (through `eqx.error_if`) when `can_sample()` is false.
         """
+
+
+UpdateFn: TypeAlias = Callable[[PyTree[Shaped[Array, "..."]]], PyTree[Shaped[Array, "..."]]]
+
+
+def update_storage(storage: RingStorage, fn: UpdateFn, owner: str) -> RingStorage:
+    """`storage` with `fn` (one step -> one step, same structure, shapes, dtypes) applied to
+    every written slot; unwritten slots keep their values."""
+    where = f"{owner}.update()"
+    example = storage.example()
+    out = jax.eval_shape(fn, example)
+    got = check_structure(where, jax.tree.structure(example), out)
+    for (path, o), e in zip(got, jax.tree.leaves(example), strict=True):
+        if (tuple(o.shape), jnp.dtype(o.dtype)) != (tuple(e.shape), jnp.dtype(e.dtype)):
+            raise ValueError(
+                f"{where}: `fn` returns leaf {keystr(path)} with shape {tuple(o.shape)} and "
+                f"dtype {jnp.dtype(o.dtype).name}, expected shape {tuple(e.shape)} and dtype "
+                f"{jnp.dtype(e.dtype).name} (the stored step's); `fn` must keep shapes and dtypes."
+            )
+    rows, length = storage.rows, storage.length
+    flat = jax.tree.map(lambda x: x.reshape(rows * length, *x.shape[2:]), storage.data)
+    new = jax.vmap(fn)(flat)
+    slots = jnp.arange(length, dtype=jnp.int32)
+    written = (slots - storage.head + storage.fill + length) % length < storage.fill
+
+    def keep(old: Array, new: Array) -> Array:
+        new = new.reshape(old.shape)
+        mask = written.reshape(1, length, *(1,) * (old.ndim - 2))
+        return jnp.where(mask, new, old)
+
+    data = jax.tree.map(keep, storage.data, new)
+    return eqx.tree_at(lambda s: s.data, storage, data)
 
 
 def resolve_length(

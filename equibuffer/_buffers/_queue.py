@@ -1,0 +1,171 @@
+"""A FIFO queue of trajectories, for on-policy algorithms: the ring storage plus a count of the
+steps not yet read."""
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from .._checks import check_positive_int
+from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar
+from .._ring import RingStorage
+from .._windows import gather
+from ._base import resolve_length, Sample, update_storage, UpdateFn
+
+
+class Queue(eqx.Module):
+    """A first-in first-out queue of trajectories (for on-policy algorithms such as PPO).
+
+    `add` appends one or more steps to every row; `sample` returns the oldest
+    `sequence_length` unread steps of every row, in order, and a queue that no longer holds
+    them. Nothing is ever overwritten or invented: adding to a queue without room for the new
+    steps, or sampling one with fewer than `sequence_length` unread steps per row, raises
+    inside jit (through `eqx.error_if`). `can_add(steps)` and `can_sample()` say in advance,
+    from the counters only.
+
+    It is a [`equibuffer.RingStorage`][] plus one 0-d counter, `unread`: the number of steps
+    per row added and not yet sampled (at most `max_length`). With `sequence_length=1` it is a
+    queue of items.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax.numpy as jnp
+
+        queue = eb.Queue({"obs": jnp.zeros(3)}, add_batch_size=2, max_length=8,
+                         sequence_length=4)
+        queue = queue.add({"obs": jnp.ones((2, 4, 3))})   # 4 steps for both rows
+        assert bool(queue.can_sample()) and bool(queue.can_add(4))
+        queue, sample = queue.sample()
+        assert sample.experience["obs"].shape == (2, 4, 3)  # (add_batch_size, sequence_length)
+        assert not bool(queue.can_sample())
+        ```
+    """
+
+    storage: RingStorage
+    unread: Int[Array, ""]
+    sequence_length: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        example: ExampleTree,
+        *,
+        add_batch_size: int,
+        sequence_length: int,
+        max_length: int | None = None,
+        capacity: int | None = None,
+        max_size: int | None = None,
+    ):
+        """**Arguments:**
+
+        - `example`: one step of experience, a pytree of arrays.
+        - `add_batch_size`: the number of rows each `add` writes (e.g. parallel environments).
+        - `sequence_length`: the number of steps of every row that `sample` returns.
+        - `max_length`: steps held per row (at least `sequence_length`). Or instead:
+        - `capacity` (alias `max_size`): steps held in total, rounded up to a multiple of
+            `add_batch_size`.
+        """
+        where = "Queue()"
+        rows = check_positive_int(where, "add_batch_size", add_batch_size)
+        length = resolve_length(where, rows, max_length, capacity, max_size)
+        self.sequence_length = check_positive_int(where, "sequence_length", sequence_length)
+        if self.sequence_length > length:
+            raise ValueError(
+                f"{where}: sequence_length={sequence_length} is larger than the queue "
+                f"(max_length={length} steps per row); raise max_length/capacity or shorten "
+                "sequence_length."
+            )
+        self.storage = RingStorage(example, rows, length)
+        self.unread = jnp.array(0, jnp.int32)
+
+    @property
+    def add_batch_size(self) -> int:
+        """The number of rows; every `add` brings one or more steps for each row."""
+        return self.storage.rows
+
+    @property
+    def max_length(self) -> int:
+        """The number of steps held per row."""
+        return self.storage.length
+
+    @property
+    def capacity(self) -> int:
+        """The number of steps held in total, `add_batch_size * max_length`."""
+        return self.storage.rows * self.storage.length
+
+    def can_add(self, steps: int = 1) -> BoolScalar:
+        """Whether `steps` more steps per row fit without overwriting unread ones (0-d bool)."""
+        steps = check_positive_int("Queue.can_add()", "steps", steps)
+        return self.unread + steps <= self.storage.length
+
+    def can_sample(self) -> BoolScalar:
+        """Whether every row holds at least `sequence_length` unread steps (0-d bool)."""
+        return self.unread >= self.sequence_length
+
+    def size(self) -> IntScalar:
+        """The number of unread steps, over all rows (0-d int32)."""
+        return self.unread * self.storage.rows
+
+    def add(self, batch: ExperienceBatch) -> "Queue":
+        """Return the queue with `batch` appended to every row.
+
+        **Arguments:**
+
+        - `batch`: leaves `(add_batch_size, *leaf)` for one step or
+            `(add_batch_size, T, *leaf)` for `T` steps, dtypes as in the example.
+
+        **Returns:**
+
+        The updated queue. Raises inside jit (through `eqx.error_if`) when the queue has no
+        room for `T` more steps per row (`can_add(T)` is false): unread steps are never
+        overwritten. Under `eqx.filter_jit(donate="all")` the write is in place.
+        """
+        t = self.storage.steps_in(batch, "Queue.add()")
+        t = 1 if t is None else t
+        length = self.storage.length
+        if t > length:
+            raise ValueError(
+                f"Queue.add(): the batch holds {t} steps per row but the queue holds at most "
+                f"max_length={length}; add fewer steps at a time or raise max_length/capacity."
+            )
+        batch = eqx.error_if(
+            batch,
+            self.unread + t > length,
+            f"Queue.add(): the queue is full: adding {t} steps per row would overwrite unread "
+            f"steps (max_length={length}). Sample first, or check `queue.can_add({t})`.",
+        )
+        storage = self.storage.write(batch)
+        return eqx.tree_at(lambda q: (q.storage, q.unread), self, (storage, self.unread + t))
+
+    def sample(self) -> tuple["Queue", Sample]:
+        """Take the oldest `sequence_length` unread steps of every row.
+
+        **Returns:**
+
+        `(queue, sample)`: the queue without those steps, and a [`equibuffer.Sample`][]
+        whose `experience` leaves are `(add_batch_size, sequence_length, *leaf)`, row `i` of
+        the batch being row `i` of the queue, steps in time order. `indices` are the flat
+        indices `row * max_length + slot` of each row's first step, `steps` their absolute
+        step (mod 2**32). Raises inside jit (through `eqx.error_if`) when `can_sample()` is
+        false: nothing is invented.
+        """
+        storage, s = self.storage, self.sequence_length
+        length = storage.length
+        unread = eqx.error_if(
+            self.unread,
+            self.unread < s,
+            f"Queue.sample(): the queue holds fewer than sequence_length={s} unread steps per "
+            "row. Add more first, or check `queue.can_sample()`.",
+        )
+        slot = (storage.head - unread + length) % length
+        rows = jnp.arange(storage.rows, dtype=jnp.int32)
+        indices = rows * length + slot
+        step = storage.count_lo - unread.astype(jnp.uint32)
+        steps = jnp.broadcast_to(step, (storage.rows,))
+        experience = gather(storage, indices, s)
+        queue = eqx.tree_at(lambda q: q.unread, self, unread - s)
+        return queue, Sample(experience=experience, indices=indices, steps=steps)
+
+    def update(self, fn: UpdateFn) -> "Queue":
+        """Return the queue with `fn` applied to every stored step, as
+        [`equibuffer.AbstractBuffer.update`][] does (unwritten slots untouched)."""
+        return eqx.tree_at(lambda q: q.storage, self, update_storage(self.storage, fn, "Queue"))

@@ -4,7 +4,9 @@ from jaxtyping import PRNGKeyArray
 
 from .._checks import check_positive_int
 from .._custom_types import ExampleTree
+from .._nstep import check_discount, check_leaves, check_n_step, n_step_from_storage
 from .._ring import RingStorage
+from .._windows import uniform_windows
 from ._base import AbstractBuffer, check_window_config, resolve_length, Sample, Transition
 
 
@@ -24,12 +26,36 @@ class TransitionBuffer(AbstractBuffer):
         sample = buffer.sample(jax.random.key(0), batch_size=32)
         assert sample.experience.first["obs"].shape == (32, 4)
         ```
+
+    With `n_step=n`, `sample` returns n-step transitions computed from the `n + 1` stored
+    steps that follow each sampled step (nothing is stored twice), cut at episode ends; see
+    [`equibuffer.n_step_transition`][] for the convention.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        example = {"obs": jnp.zeros(4), "reward": jnp.float32(0),
+                   "terminated": jnp.bool_(False), "truncated": jnp.bool_(False)}
+        buffer = eb.TransitionBuffer(example, add_batch_size=2, capacity=100, n_step=3,
+                                     discount=0.99)
+        buffer = buffer.add({"obs": jnp.ones((2, 5, 4)), "reward": jnp.ones((2, 5)),
+                             "terminated": jnp.zeros((2, 5), bool),
+                             "truncated": jnp.zeros((2, 5), bool)})
+        sample = buffer.sample(jax.random.key(0), batch_size=8)
+        assert sample.experience.second["obs"].shape == (8, 4)
+        assert jnp.allclose(sample.experience.reward, 1 + 0.99 + 0.99**2)
+        ```
     """
 
     storage: RingStorage
     sequence_length: int = eqx.field(static=True)
     period: int = eqx.field(static=True)
     min_length: int = eqx.field(static=True)
+    n_step: int | None = eqx.field(static=True)
+    discount: float | None = eqx.field(static=True)
+    leaf_names: tuple[str, str, str | None] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -40,6 +66,11 @@ class TransitionBuffer(AbstractBuffer):
         capacity: int | None = None,
         max_size: int | None = None,
         min_length: int | None = None,
+        n_step: int | None = None,
+        discount: float | None = None,
+        reward: str = "reward",
+        terminated: str = "terminated",
+        truncated: str | None = "truncated",
     ):
         """**Arguments:**
 
@@ -48,15 +79,30 @@ class TransitionBuffer(AbstractBuffer):
         - `max_length`: steps held per row (at least 2). Or instead:
         - `capacity` (alias `max_size`): steps held in total, rounded up to a multiple of
             `add_batch_size`.
-        - `min_length`: steps per row before `can_sample()` is true (default 2).
+        - `min_length`: steps per row before `can_sample()` is true (default 2, or
+            `n_step + 1`).
+        - `n_step`: sample n-step transitions ([`equibuffer.NStepTransition`][]) instead
+            of pairs; at least 1. Needs `discount` and the leaves named by:
+        - `reward`, `terminated`, `truncated`: the names (keys or attributes of the example)
+            of the float reward leaf and the bool episode-end leaves; `truncated=None` when
+            there is none.
         """
         where = "TransitionBuffer()"
         rows = check_positive_int(where, "add_batch_size", add_batch_size)
         length = resolve_length(where, rows, max_length, capacity, max_size)
+        self.n_step, self.discount = None, None
+        self.leaf_names = (reward, terminated, truncated)
+        if n_step is not None or discount is not None:
+            if n_step is None or discount is None:
+                raise TypeError(f"{where}: give both `n_step` and `discount`, or neither.")
+            self.n_step = check_n_step(where, n_step)
+            self.discount = check_discount(where, discount)
         self.sequence_length, self.period, self.min_length = check_window_config(
-            where, length, 2, 1, min_length
+            where, length, 2 if self.n_step is None else self.n_step + 1, 1, min_length
         )
         self.storage = RingStorage(example, rows, length)
+        if self.n_step is not None:
+            check_leaves(where, self.storage.example(), reward, terminated, truncated)
 
     def sample(self, key: PRNGKeyArray, batch_size: int) -> Sample:
         """Draw `batch_size` transitions uniformly over all consecutive pairs held.
@@ -64,8 +110,24 @@ class TransitionBuffer(AbstractBuffer):
         **Returns:**
 
         A [`equibuffer.Sample`][] whose `experience` is a [`equibuffer.Transition`][] with
-        leaves `(batch_size, *leaf)`.
+        leaves `(batch_size, *leaf)`, or with `n_step` an [`equibuffer.NStepTransition`][]
+        (drawn uniformly over the windows of `n_step + 1` steps held).
         """
+        if self.n_step is not None and self.discount is not None:
+            where = "TransitionBuffer.sample()"
+            batch_size = check_positive_int(where, "batch_size", batch_size)
+            indices, steps = uniform_windows(self.storage, key, batch_size, self.n_step + 1, 1)
+            indices = eqx.error_if(
+                indices,
+                ~self.can_sample(),
+                f"{where}: the buffer cannot be sampled yet: it needs at least "
+                f"min_length={self.min_length} steps per row (n_step + 1 = "
+                f"{self.n_step + 1} for one n-step window). Check `buffer.can_sample()` first.",
+            )
+            experience = n_step_from_storage(
+                self.storage, indices, self.n_step, self.discount, *self.leaf_names
+            )
+            return Sample(experience=experience, indices=indices, steps=steps)
         indices, steps, windows = self._draw(key, batch_size)
         pair = Transition(
             first=jax.tree.map(lambda x: x[:, 0], windows),

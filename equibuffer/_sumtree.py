@@ -10,13 +10,14 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 from ._checks import check_positive_int
 
 
-# Picked by measurement (`python -m benchmarks.bench_prioritised`): for a batch of 256 sampled or
-# set on CPU, a dense single level (prefix sums of every leaf plus `searchsorted`) is fastest up
-# to a few thousand leaves; above that a 16-way tree beats both the binary tree (four times as
-# many levels, each one a round of dependent gathers) and wider fan-outs (more children read per
-# level).
-_DENSE_UP_TO = 4096
-_DEFAULT_FANOUT = 16
+# Picked by measurement (`python -m benchmarks.bench_prioritised`, CPU, batch 256, per batch
+# inside a `lax.scan`; a shared, noisy machine, so only the trends are trusted): a dense single
+# level (prefix sums of every leaf + `searchsorted`) was fastest at 1e3 and 1e4 leaves (sample
+# 8-12 us against 18-33 us for the best tree); at 1e5 and 1e6, 4- and 8-ary trees were fastest
+# to sample (33-46 us and 146-167 us) while 16-ary and wider were 2-10x slower (the per-node
+# prefix sums over `fanout` children) and binary 2-3x slower (twice or more the levels).
+_DENSE_UP_TO = 2**14
+_DEFAULT_FANOUT = 8
 
 
 def _level_sizes(capacity: int, fanout: int) -> list[int]:
@@ -47,7 +48,7 @@ class SumTree(eqx.Module):
 
     - `capacity`: the number of leaves, any positive int.
     - `fanout`: children per internal node, at least 2. By default: one dense level up to
-        4096 leaves, else 16 (picked by measurement, see `benchmarks/bench_prioritised.py`).
+        16384 leaves, else 8 (picked by measurement, see `benchmarks/bench_prioritised.py`).
 
     All leaves start at zero.
 
@@ -117,20 +118,20 @@ class SumTree(eqx.Module):
         """
         where = "SumTree.set()"
         indices = self._check_indices(where, indices)
-        values = jnp.asarray(values)
-        if values.shape != indices.shape:
+        new = jnp.asarray(values)
+        if new.shape != indices.shape:
             raise ValueError(
-                f"{where}: `values` has shape {values.shape} but `indices` has shape "
+                f"{where}: `values` has shape {new.shape} but `indices` has shape "
                 f"{indices.shape}; give one value per index."
             )
-        values = values.astype(jnp.float32)
-        values = eqx.error_if(
-            values,
-            jnp.any((values < 0) | ~jnp.isfinite(values)),
+        new = new.astype(jnp.float32)
+        new = eqx.error_if(
+            new,
+            jnp.any((new < 0) | ~jnp.isfinite(new)),
             f"{where}: every value must be non-negative and finite (a negative, NaN or infinite "
             "priority was given).",
         )
-        return self.write(indices, values, mask=None, unique=False)
+        return self.write(indices, new, mask=None, unique=False)
 
     def write(
         self,

@@ -1,0 +1,214 @@
+"""One batch drawn in fixed proportions from several buffers."""
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree, Shaped
+
+from ._buffers._base import AbstractBuffer, Sample
+from ._buffers._prioritised import AbstractPrioritisedBuffer
+from ._checks import check_positive_int, keystr
+from ._custom_types import BoolScalar
+
+
+class MixedSample(eqx.Module):
+    """What [`equibuffer.Mixer.sample`][] returns.
+
+    - `experience`: the sources' experience concatenated along the batch axis, source 0's
+        rows first (`counts[0]` of them), then source 1's, and so on.
+    - `source`: `(batch,)` int32, the source each row came from.
+    - `weights`: `(batch,)` float32 importance weights: a prioritised source's own
+        `weights` on its rows, 1 on the rows of a uniform source.
+    - `samples`: each source's own sample (`None` for a source given 0 rows), with its
+        `indices` and `steps`: what [`equibuffer.Mixer.set_priorities`][] routes back.
+    """
+
+    experience: PyTree[Shaped[Array, "batch ..."]]
+    source: Int[Array, " batch"]
+    weights: Float[Array, " batch"]
+    samples: tuple[Sample | None, ...]
+
+
+def largest_remainder(proportions: Sequence[float], batch_size: int) -> tuple[int, ...]:
+    """Counts summing to `batch_size`: each source gets `floor(p * batch_size)` rows and the
+    rows left go one each to the largest fractional parts (ties: the lower source index)."""
+    exact = [p * batch_size for p in proportions]
+    counts = [math.floor(x) for x in exact]
+    left = batch_size - sum(counts)
+    order = sorted(range(len(exact)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[:left]:
+        counts[i] += 1
+    return tuple(counts)
+
+
+class Mixer(eqx.Module):
+    """Samples one batch made of fixed proportions of several buffers (online and offline
+    data, uniform and prioritised), each source drawing its share as its own sample: its
+    rows follow that source's own uniform or prioritised distribution.
+
+    The row counts are static: source `i` gets `floor(p_i * batch_size)` rows and the rows
+    left over go one each to the largest fractional parts, ties to the lower index
+    (largest-remainder rounding), so they always sum to `batch_size`; see `counts`.
+
+    A `Mixer` is a module holding its buffers, so it can sit in a train state; reach a source
+    with `mixer.buffers[i]` and replace it with `eqx.tree_at(lambda m: m.buffers[i], mixer,
+    new)`. All sources must give experience of the same structure, shapes and dtypes.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        example = {"obs": jnp.zeros(3)}
+        online = eb.ItemBuffer(example, add_batch_size=2, capacity=64)
+        offline = eb.PrioritisedItemBuffer(example, add_batch_size=2, capacity=64)
+        online = online.add({"obs": jnp.ones((2, 4, 3))})
+        offline = offline.add({"obs": jnp.zeros((2, 4, 3))})
+        mixer = eb.Mixer((online, offline), proportions=(0.75, 0.25))
+        assert mixer.counts(10) == (8, 2)
+        sample = mixer.sample(jax.random.key(0), batch_size=10, beta=0.4)
+        assert sample.experience["obs"].shape == (10, 3)
+        assert sample.source.tolist() == [0] * 8 + [1] * 2
+        mixer = mixer.set_priorities(sample, jnp.ones(10))
+        ```
+    """
+
+    buffers: tuple[AbstractBuffer, ...]
+    proportions: tuple[float, ...] = eqx.field(static=True)
+
+    def __init__(self, buffers: Sequence[AbstractBuffer], proportions: Sequence[float]):
+        """**Arguments:**
+
+        - `buffers`: the source buffers (any [`equibuffer.AbstractBuffer`][]).
+        - `proportions`: one share per buffer, each `>= 0`, summing to 1 (within 1e-6).
+        """
+        where = "Mixer()"
+        buffers = tuple(buffers)
+        if not buffers:
+            raise ValueError(f"{where}: give at least one buffer.")
+        for i, b in enumerate(buffers):
+            if not isinstance(b, AbstractBuffer):
+                raise TypeError(f"{where}: buffers[{i}] is {type(b).__name__}, not a buffer.")
+        props = tuple(proportions)
+        if len(props) != len(buffers):
+            raise ValueError(
+                f"{where}: {len(props)} proportions for {len(buffers)} buffers; give one each."
+            )
+        for i, p in enumerate(props):
+            if isinstance(p, bool) or not isinstance(p, int | float):
+                raise TypeError(f"{where}: proportions[{i}] must be a Python float, got {p!r}.")
+            if not (math.isfinite(p) and p >= 0):
+                raise ValueError(f"{where}: proportions[{i}] must be finite and >= 0, got {p}.")
+        if abs(sum(props) - 1.0) > 1e-6:
+            raise ValueError(f"{where}: proportions must sum to 1, got {props} (sum {sum(props)}).")
+        self.buffers = buffers
+        self.proportions = tuple(float(p) for p in props)
+
+    def counts(self, batch_size: int) -> tuple[int, ...]:
+        """The number of rows each source gives to a batch of `batch_size` (static ints,
+        largest-remainder rounding; they sum to `batch_size`)."""
+        batch_size = check_positive_int("Mixer.counts()", "batch_size", batch_size)
+        return largest_remainder(self.proportions, batch_size)
+
+    def can_sample(self) -> BoolScalar:
+        """Whether every source of positive proportion can be sampled (0-d bool, a function of
+        the sources' counters only)."""
+        ready = [
+            b.can_sample() for b, p in zip(self.buffers, self.proportions, strict=True) if p > 0
+        ]
+        return jnp.all(jnp.stack(ready))
+
+    def sample(
+        self, key: PRNGKeyArray, batch_size: int, beta: float | Float[ArrayLike, ""] = 1.0
+    ) -> MixedSample:
+        """Draw `counts(batch_size)[i]` rows from source `i`, each source with its own
+        `sample` (independent keys), and concatenate them in source order.
+
+        **Arguments:**
+
+        - `key`: a JAX PRNG key.
+        - `batch_size`: the total number of rows (static).
+        - `beta`: the importance-sampling exponent passed to prioritised sources.
+
+        **Returns:**
+
+        A [`equibuffer.MixedSample`][]. Each source raises inside jit as its own `sample`
+        does when it cannot be sampled.
+        """
+        counts = self.counts(batch_size)
+        keys = jax.random.split(key, len(self.buffers))
+        samples: list[Sample | None] = []
+        for i, (buffer, n) in enumerate(zip(self.buffers, counts, strict=True)):
+            if n == 0:
+                samples.append(None)
+            elif isinstance(buffer, AbstractPrioritisedBuffer):
+                samples.append(buffer.sample(keys[i], n, beta=beta))
+            else:
+                samples.append(buffer.sample(keys[i], n))
+        drawn = [(i, s) for i, s in enumerate(samples) if s is not None]
+        self._check_alike([(i, s.experience) for i, s in drawn])
+        experience = jax.tree.map(
+            lambda *xs: jnp.concatenate(xs, axis=0), *[s.experience for _, s in drawn]
+        )
+        source = jnp.concatenate([jnp.full(counts[i], i, jnp.int32) for i, _ in drawn])
+        weights = jnp.concatenate(
+            [
+                getattr(s, "weights", jnp.ones(counts[i], jnp.float32)).astype(jnp.float32)
+                for i, s in drawn
+            ]
+        )
+        return MixedSample(
+            experience=experience, source=source, weights=weights, samples=tuple(samples)
+        )
+
+    def set_priorities(
+        self, sample: MixedSample, priorities: Float[ArrayLike, " batch"]
+    ) -> "Mixer":
+        """Route `priorities` (one per row of `sample`) back to the prioritised sources, each
+        getting the slice of its own rows; rows of uniform sources are ignored.
+
+        **Returns:**
+
+        The mixer with its prioritised sources updated (see their `set_priorities`).
+        """
+        priorities = jnp.asarray(priorities)
+        batch = sample.source.shape[0]
+        if priorities.shape != (batch,):
+            raise ValueError(
+                f"Mixer.set_priorities(): `priorities` has shape {priorities.shape}, expected "
+                f"({batch},), one per row of the sample."
+            )
+        buffers = list(self.buffers)
+        start = 0
+        for i, (buffer, part) in enumerate(zip(self.buffers, sample.samples, strict=True)):
+            if part is None:
+                continue
+            n = part.indices.shape[0]
+            if isinstance(buffer, AbstractPrioritisedBuffer):
+                buffers[i] = buffer.set_priorities(part, priorities[start : start + n])
+            start += n
+        return eqx.tree_at(lambda m: m.buffers, self, tuple(buffers))
+
+    @staticmethod
+    def _check_alike(experiences: list[tuple[int, Any]]) -> None:
+        (i0, e0), *rest = experiences
+        leaves0, def0 = jax.tree_util.tree_flatten_with_path(e0)
+        for i, e in rest:
+            leaves, treedef = jax.tree_util.tree_flatten_with_path(e)
+            if treedef != def0:
+                raise ValueError(
+                    f"Mixer.sample(): buffers[{i}] gives experience of structure {treedef}, "
+                    f"but buffers[{i0}] gives {def0}; every source must hold the same kind "
+                    "of experience."
+                )
+            for (path, a), (_, b) in zip(leaves0, leaves, strict=True):
+                if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
+                    raise ValueError(
+                        f"Mixer.sample(): leaf {keystr(path)} is {b.dtype}{list(b.shape[1:])} "
+                        f"per row in buffers[{i}] but {a.dtype}{list(a.shape[1:])} in "
+                        f"buffers[{i0}]; every source must hold the same shapes and dtypes."
+                    )

@@ -13,9 +13,19 @@ from ._buffers._base import (
     Transition as Transition,
 )
 from ._buffers._item import ItemBuffer as ItemBuffer
+from ._buffers._prioritised import (
+    AbstractPrioritisedBuffer as AbstractPrioritisedBuffer,
+    PrioritisedItemBuffer as PrioritisedItemBuffer,
+    PrioritisedSample as PrioritisedSample,
+    PrioritisedTrajectoryBuffer as PrioritisedTrajectoryBuffer,
+    PrioritisedTransitionBuffer as PrioritisedTransitionBuffer,
+)
+from ._buffers._queue import Queue as Queue
 from ._buffers._trajectory import TrajectoryBuffer as TrajectoryBuffer
 from ._buffers._transition import TransitionBuffer as TransitionBuffer
+from ._nstep import n_step_transition as n_step_transition, NStepTransition as NStepTransition
 from ._ring import RingStorage as RingStorage
+from ._sumtree import SumTree as SumTree
 
 
 __version__ = "0.1.0"

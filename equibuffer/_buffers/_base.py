@@ -70,6 +70,7 @@ class AbstractBuffer(eqx.Module):
         """The number of steps held in total, `add_batch_size * max_length`."""
         return self.storage.rows * self.storage.length
 
+    @abc.abstractmethod
     def add(self: _Buffer, batch: ExperienceBatch) -> _Buffer:
         """Return the buffer with `batch` appended to every row.
 
@@ -83,7 +84,6 @@ class AbstractBuffer(eqx.Module):
 
         The updated buffer. Under `eqx.filter_jit(donate="all")` the write is in place.
         """
-        return eqx.tree_at(lambda b: b.storage, self, self.storage.write(batch))
 
     def num_windows(self) -> IntScalar:
         """The number of windows that can be sampled now (0-d int32); depends only on the
@@ -183,6 +183,11 @@ def update_storage(storage: RingStorage, fn: UpdateFn, owner: str) -> RingStorag
 
     data = jax.tree.map(keep, storage.data, new)
     return eqx.tree_at(lambda s: s.data, storage, data)
+
+
+def add_to_storage(buffer: _Buffer, batch: ExperienceBatch) -> _Buffer:
+    """`add` of the uniform buffers: the write is all there is to it."""
+    return eqx.tree_at(lambda b: b.storage, buffer, buffer.storage.write(batch))
 
 
 def resolve_length(

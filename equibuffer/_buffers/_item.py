@@ -3,9 +3,9 @@ import jax
 from jaxtyping import PRNGKeyArray
 
 from .._checks import check_positive_int
-from .._custom_types import ExampleTree
+from .._custom_types import ExampleTree, ExperienceBatch
 from .._ring import RingStorage
-from ._base import AbstractBuffer, check_window_config, resolve_length, Sample
+from ._base import AbstractBuffer, add_to_storage, check_window_config, resolve_length, Sample
 
 
 class ItemBuffer(AbstractBuffer):
@@ -54,6 +54,11 @@ class ItemBuffer(AbstractBuffer):
             where, length, 1, 1, min_length
         )
         self.storage = RingStorage(example, rows, length)
+
+    def add(self, batch: ExperienceBatch) -> "ItemBuffer":
+        """Append one step `(add_batch_size, *leaf)` or `T` steps
+        `(add_batch_size, T, *leaf)` to every row; see [`equibuffer.AbstractBuffer.add`][]."""
+        return add_to_storage(self, batch)
 
     def sample(self, key: PRNGKeyArray, batch_size: int) -> Sample:
         """Draw `batch_size` items uniformly over all items held (with replacement).

@@ -2,9 +2,9 @@ import equinox as eqx
 from jaxtyping import PRNGKeyArray
 
 from .._checks import check_positive_int
-from .._custom_types import ExampleTree
+from .._custom_types import ExampleTree, ExperienceBatch
 from .._ring import RingStorage
-from ._base import AbstractBuffer, check_window_config, resolve_length, Sample
+from ._base import AbstractBuffer, add_to_storage, check_window_config, resolve_length, Sample
 
 
 class TrajectoryBuffer(AbstractBuffer):
@@ -64,6 +64,11 @@ class TrajectoryBuffer(AbstractBuffer):
             where, length, sequence_length, period, min_length
         )
         self.storage = RingStorage(example, rows, length)
+
+    def add(self, batch: ExperienceBatch) -> "TrajectoryBuffer":
+        """Append one step `(add_batch_size, *leaf)` or `T` steps
+        `(add_batch_size, T, *leaf)` to every row; see [`equibuffer.AbstractBuffer.add`][]."""
+        return add_to_storage(self, batch)
 
     def sample(self, key: PRNGKeyArray, batch_size: int) -> Sample:
         """Draw `batch_size` windows uniformly over all valid windows (with replacement).

@@ -3,11 +3,18 @@ import jax
 from jaxtyping import PRNGKeyArray
 
 from .._checks import check_positive_int
-from .._custom_types import ExampleTree
+from .._custom_types import ExampleTree, ExperienceBatch
 from .._nstep import check_discount, check_leaves, check_n_step, n_step_from_storage
 from .._ring import RingStorage
 from .._windows import uniform_windows
-from ._base import AbstractBuffer, check_window_config, resolve_length, Sample, Transition
+from ._base import (
+    AbstractBuffer,
+    add_to_storage,
+    check_window_config,
+    resolve_length,
+    Sample,
+    Transition,
+)
 
 
 class TransitionBuffer(AbstractBuffer):
@@ -103,6 +110,11 @@ class TransitionBuffer(AbstractBuffer):
         self.storage = RingStorage(example, rows, length)
         if self.n_step is not None:
             check_leaves(where, self.storage.example(), reward, terminated, truncated)
+
+    def add(self, batch: ExperienceBatch) -> "TransitionBuffer":
+        """Append one step `(add_batch_size, *leaf)` or `T` steps
+        `(add_batch_size, T, *leaf)` to every row; see [`equibuffer.AbstractBuffer.add`][]."""
+        return add_to_storage(self, batch)
 
     def sample(self, key: PRNGKeyArray, batch_size: int) -> Sample:
         """Draw `batch_size` transitions uniformly over all consecutive pairs held.

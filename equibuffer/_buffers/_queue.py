@@ -2,13 +2,13 @@
 steps not yet read."""
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from .._checks import check_positive_int
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar
 from .._ring import RingStorage
-from .._windows import gather
 from ._base import resolve_length, Sample, update_storage, UpdateFn
 
 
@@ -127,14 +127,14 @@ class Queue(eqx.Module):
                 f"Queue.add(): the batch holds {t} steps per row but the queue holds at most "
                 f"max_length={length}; add fewer steps at a time or raise max_length/capacity."
             )
-        batch = eqx.error_if(
-            batch,
+        unread = eqx.error_if(
+            self.unread + t,
             self.unread + t > length,
             f"Queue.add(): the queue is full: adding {t} steps per row would overwrite unread "
             f"steps (max_length={length}). Sample first, or check `queue.can_add({t})`.",
         )
         storage = self.storage.write(batch)
-        return eqx.tree_at(lambda q: (q.storage, q.unread), self, (storage, self.unread + t))
+        return eqx.tree_at(lambda q: (q.storage, q.unread), self, (storage, unread))
 
     def sample(self) -> tuple["Queue", Sample]:
         """Take the oldest `sequence_length` unread steps of every row.
@@ -161,7 +161,11 @@ class Queue(eqx.Module):
         indices = rows * length + slot
         step = storage.count_lo - unread.astype(jnp.uint32)
         steps = jnp.broadcast_to(step, (storage.rows,))
-        experience = gather(storage, indices, s)
+        # Every row is read at the same slots: one gather along the time axis.
+        slots = (slot + jnp.arange(s, dtype=jnp.int32)) % length
+        experience = jax.tree.map(
+            lambda x: x.at[:, slots].get(mode="promise_in_bounds"), storage.data
+        )
         queue = eqx.tree_at(lambda q: q.unread, self, unread - s)
         return queue, Sample(experience=experience, indices=indices, steps=steps)
 

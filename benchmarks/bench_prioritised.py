@@ -37,37 +37,38 @@ BATCH = 256
 FILL_CHUNK = 2000
 
 
-class _Loop:
-    """A zero-argument callable replacing `self.box[0]` by `step(self.box[0])` (donated)."""
+class _Held:
+    """The array leaves of a state (a module or any pytree: both libraries go through this
+    one harness), split from its static part once and kept across calls, so that a timed
+    call is one `jax.jit` dispatch of the work (as for Flashbax's plain-pytree state) and not
+    a partition/combine in Python each time."""
 
-    def __init__(self, step: Callable[[Any], Any], state: Any):
-        self.step, self.box = step, [state]
+    def __init__(self, state: Any):
+        self.arrays, self.static = eqx.partition(state, eqx.is_array)
 
-    def __call__(self) -> Any:
-        self.box[0] = self.step(self.box[0])
-        return self.box[0]
+    def state(self) -> Any:
+        return eqx.combine(self.arrays, self.static)
 
+    def update(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A call running `state = fn(state, *args)` jitted, the arrays donated (in place)."""
+        static = self.static
 
-_loop = _Loop
+        def run(arrays, *args):
+            return eqx.partition(fn(eqx.combine(arrays, static), *args), eqx.is_array)[0]
 
+        jitted = jax.jit(run, donate_argnums=0)
 
-def _jit(fn: Callable[..., Any], module: Any, donate: bool) -> Callable[..., Any]:
-    """`jax.jit` of `fn(module, *args)` over the module's arrays (its static part closed over),
-    so that timings measure the work and not `eqx.filter_jit`'s Python-side dispatch. When
-    `donate`, `fn` returns a module of the same type (the updated one)."""
-    static = eqx.partition(module, eqx.is_array)[1]
+        def call(*args: Any) -> Any:
+            self.arrays = jitted(self.arrays, *args)
+            return self.arrays
 
-    def run(arrays, *args):
-        out = fn(eqx.combine(arrays, static), *args)
-        return eqx.partition(out, eqx.is_array)[0] if donate else out
+        return call
 
-    jitted = jax.jit(run, donate_argnums=0 if donate else ())
-
-    def call(m, *args):
-        out = jitted(eqx.partition(m, eqx.is_array)[0], *args)
-        return eqx.combine(out, static) if donate else out
-
-    return call
+    def read(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A call returning `fn(state, *args)` jitted (the state is not changed)."""
+        static = self.static
+        jitted = jax.jit(lambda arrays, *args: fn(eqx.combine(arrays, static), *args))
+        return lambda *args: jitted(self.arrays, *args)
 
 
 # ------------------------------------------------------------------------ 1. layouts
@@ -101,11 +102,10 @@ def bench_layouts(capacities: list[int], repeat: int, inner: int = 50) -> list[d
                 return jax.lax.scan(body, jnp.int32(0), jax.random.split(key, inner))[0]
 
             key = jax.random.key(1)
-            set_ = _jit(sets, tree, donate=True)
-            call = _loop(lambda t: set_(t, key), tree)  # noqa: B023
-            t_set = best_time(call, repeat=repeat) / inner
-            sample = _jit(samples, tree, donate=False)
-            t_sample = best_time(lambda: sample(call.box[0], key), repeat=repeat) / inner  # noqa: B023
+            held = _Held(tree)
+            set_, sample = held.update(sets), held.read(samples)
+            t_set = best_time(lambda: set_(key), repeat=repeat) / inner  # noqa: B023
+            t_sample = best_time(lambda: sample(key), repeat=repeat) / inner  # noqa: B023
             rows.append(
                 {
                     "capacity": f"{capacity:.0e}",
@@ -121,43 +121,21 @@ def bench_layouts(capacities: list[int], repeat: int, inner: int = 50) -> list[d
 # ------------------------------------------------------------------------ 2. buffers
 
 
-def _ours(prioritised: bool, capacity: int):
+def _peer(name: str, capacity: int) -> dict[str, Any]:
+    """How to build, fill, add to, sample and re-prioritise one library's buffer, as
+    functions of its state (all timed through `_Held`, so in the very same way)."""
     example = {"obs": jnp.zeros(OBS, jnp.float32)}
-    cls = PrioritisedTransitionBuffer if prioritised else TransitionBuffer
-    return cls(example, add_batch_size=1, capacity=capacity)
-
-
-def _fill_ours(buffer, capacity: int):
-    add = _jit(lambda b, x: b.add(x), buffer, donate=True)
-    chunk = {"obs": jnp.ones((1, FILL_CHUNK, *OBS), jnp.float32)}
-    for _ in range(-(-capacity // FILL_CHUNK)):
-        buffer = add(buffer, chunk)
-    return buffer
-
-
-def bench_ours(prioritised: bool, capacity: int, repeat: int) -> dict[str, float]:
-    out: dict[str, float] = {}
-    buffer = _fill_ours(_ours(prioritised, capacity), capacity)
-    one = {"obs": jnp.ones((1, *OBS), jnp.float32)}
-    add = _jit(lambda b, x: b.add(x), buffer, donate=True)
-    call = _loop(lambda b: add(b, one), buffer)
-    buffer = None
-    out["add"] = best_time(call, repeat=repeat * 3)
-    sample = _jit(lambda b, k: b.sample(k, BATCH), call.box[0], donate=False)
-    key = jax.random.key(0)
-    out["sample"] = best_time(lambda: sample(call.box[0], key), repeat=repeat)
-    if prioritised:
-        s = sample(call.box[0], key)
-        prio = jnp.asarray(np.random.default_rng(0).random(BATCH, np.float32))
-        setp = _jit(lambda b, s, p: b.set_priorities(s, p), call.box[0], donate=True)
-        call = _loop(lambda b: setp(b, s, prio), call.box[0])
-        out["set_priorities"] = best_time(call, repeat=repeat * 3)
-    call.box.clear()
-    gc.collect()
-    return out
-
-
-def bench_flashbax(prioritised: bool, capacity: int, repeat: int) -> dict[str, float]:
+    if name.startswith("equibuffer"):
+        prioritised = name.endswith("prioritised")
+        cls = PrioritisedTransitionBuffer if prioritised else TransitionBuffer
+        return {
+            "make": lambda: cls(example, add_batch_size=1, capacity=capacity),
+            "fill": lambda b, x: b.add(x),
+            "add": lambda b, x: b.add(x),
+            "sample": lambda b, k: b.sample(k, BATCH),
+            "set": lambda b, i, st, p: b.set_priorities(i, p, steps=st),
+            "steps": lambda s: s.steps,
+        }
     import flashbax as fbx
 
     def make(add_sequences: bool):
@@ -168,55 +146,143 @@ def bench_flashbax(prioritised: bool, capacity: int, repeat: int) -> dict[str, f
             add_sequences=add_sequences,
             add_batch_size=1,
         )
-        if prioritised:
+        if name.endswith("prioritised"):
             return fbx.make_prioritised_flat_buffer(**common, priority_exponent=0.6)
         return fbx.make_flat_buffer(**common)
 
     one_step, seq = make(False), make(True)
-    out: dict[str, float] = {}
-    state = seq.init({"obs": jnp.zeros(OBS, jnp.float32)})
-    fill = jax.jit(seq.add, donate_argnums=0)
+    return {
+        "make": lambda: seq.init(example),
+        "fill": seq.add,
+        "add": one_step.add,
+        "sample": one_step.sample,
+        "set": lambda s, i, st, p: one_step.set_priorities(s, i, p),
+        "steps": lambda s: jnp.zeros_like(s.indices, jnp.uint32),  # unused by Flashbax
+    }
+
+
+def bench_buffer(name: str, capacity: int, repeat: int) -> dict[str, float]:
+    """Add of one step (donated), sample of 256 and (prioritised) `set_priorities` of 256
+    (donated), for one buffer filled with `capacity` steps; the buffer is freed after."""
+    peer = _peer(name, capacity)
+    held = _Held(peer["make"]())
+    fill = held.update(peer["fill"])
     chunk = {"obs": jnp.ones((1, FILL_CHUNK, *OBS), jnp.float32)}
     for _ in range(-(-capacity // FILL_CHUNK)):
-        state = fill(state, chunk)
+        fill(chunk)
+    del chunk
+    out: dict[str, float] = {}
     one = {"obs": jnp.ones((1, *OBS), jnp.float32)}
-    add = jax.jit(one_step.add, donate_argnums=0)
-    call = _loop(lambda s: add(s, one), state)
-    state = None
-    out["add"] = best_time(call, repeat=repeat * 3)
-    sample = jax.jit(one_step.sample)
+    add = held.update(peer["add"])
+    out["add"] = best_time(lambda: add(one), repeat=repeat * 5)
+    sample = held.read(peer["sample"])
     key = jax.random.key(0)
-    out["sample"] = best_time(lambda: sample(call.box[0], key), repeat=repeat)
-    if prioritised:
-        indices = sample(call.box[0], key).indices
-        prio = jnp.asarray(np.random.default_rng(0).random(BATCH, np.float32))
-        setp = jax.jit(one_step.set_priorities, donate_argnums=0)
-        call = _loop(lambda s: setp(s, indices, prio), call.box[0])
-        out["set_priorities"] = best_time(call, repeat=repeat * 3)
-    call.box.clear()
+    out["sample"] = best_time(lambda: sample(key), repeat=repeat)
+    if name.endswith("prioritised"):
+        s = sample(key)
+        indices, steps = s.indices, peer["steps"](s)
+        del s
+        prio = jnp.asarray(np.random.default_rng(0).random(BATCH, np.float32) + 0.1)
+        setp = held.update(peer["set"])
+        out["set_priorities"] = best_time(lambda: setp(indices, steps, prio), repeat=repeat * 5)
+    held.arrays = None
     gc.collect()
     return out
+
+
+NAMES = ("equibuffer uniform", "equibuffer prioritised", "flashbax uniform", "flashbax prioritised")
+
+
+def _ratios(r: dict[str, dict[str, float]]) -> dict[str, float]:
+    ours_u, ours_p = r["equibuffer uniform"], r["equibuffer prioritised"]
+    fbx_u, fbx_p = r["flashbax uniform"], r["flashbax prioritised"]
+    return {
+        "ours prio/uniform sample (target <= 1.1)": ours_p["sample"] / ours_u["sample"],
+        "fbx prio/uniform sample": fbx_p["sample"] / fbx_u["sample"],
+        "ours prio/uniform add (target <= 1.5)": ours_p["add"] / ours_u["add"],
+        "fbx prio/uniform add": fbx_p["add"] / fbx_u["add"],
+        "set_priorities fbx/ours (target >= 1.5)": fbx_p["set_priorities"]
+        / ours_p["set_priorities"],
+    }
+
+
+def bench_buffers(capacity: int, repeat: int, rounds: int) -> None:
+    print(f"\n## Buffers: {capacity:,} steps of {OBS} float32, add batch 1, sample {BATCH}\n")
+    per_round: list[dict[str, dict[str, float]]] = []
+    for i in range(rounds):
+        per_round.append({name: bench_buffer(name, capacity, repeat) for name in NAMES})
+        print(f"  round {i + 1}/{rounds} done", flush=True)
+    best = {n: {op: min(r[n][op] for r in per_round) for op in per_round[0][n]} for n in NAMES}
+    rows = []
+    for n in NAMES:
+        ops = {op: fmt_time(best[n][op]) for op in ("add", "sample")}
+        ops["set_priorities"] = fmt_time(best[n]["set_priorities"]) if n.endswith("ised") else "-"
+        rows.append({"buffer": n, **ops})
+    print(table(rows))
+    print("\n## Ratios (per round, and of the best times over the rounds)\n")
+    ratios = [_ratios(r) for r in per_round] + [_ratios(best)]
+    labels = [f"round {i + 1}" for i in range(rounds)] + ["best"]
+    print(
+        table(
+            [
+                {
+                    "ratio": key,
+                    **{lab: f"{r[key]:.2f}x" for lab, r in zip(labels, ratios, strict=True)},
+                }
+                for key in ratios[0]
+            ]
+        )
+    )
 
 
 # ------------------------------------------------------------------------ 3. scaling
 
 
-def bench_scaling(capacities: list[int], repeat: int) -> dict[int, float]:
-    out = {}
+def bench_scaling(capacities: list[int], repeat: int, rounds: int) -> None:
+    """Sample of 256 (and set of 256) against capacity: a bare `SumTree`, and a prioritised
+    item buffer of small items (4 float32). A buffer of 10**7 steps of (32, 32, 3) float32
+    would be 123 GB, so the buffer-level check uses small items (the tree is the same)."""
     key = jax.random.key(0)
-    for capacity in capacities:
-        buffer = PrioritisedItemBuffer({"x": jnp.zeros(4)}, add_batch_size=1, capacity=capacity)
-        add = _jit(lambda b, x: b.add(x), buffer, donate=True)
-        chunk = min(capacity, 10**6)
-        for _ in range(-(-capacity // chunk)):
-            buffer = add(buffer, {"x": jnp.ones((1, chunk, 4))})
-        sample = _jit(lambda b, k: b.sample(k, BATCH), buffer, donate=False)
-        box = [buffer]
-        out[capacity] = best_time(lambda: sample(box[0], key), repeat=repeat)  # noqa: B023
-        box.clear()
-        buffer = None
-        gc.collect()
-    return out
+    rng = np.random.default_rng(0)
+    idx = jnp.asarray(rng.integers(0, min(capacities), BATCH).astype(np.int32))
+    val = jnp.asarray(rng.random(BATCH, np.float32))
+    times: dict[tuple[str, int], list[float]] = {}
+
+    def record(what: str, capacity: int, fn: Callable[[], Any]) -> None:
+        times.setdefault((what, capacity), []).append(best_time(fn, repeat=repeat * 5))
+
+    for _ in range(rounds):
+        for capacity in capacities:
+            held = _Held(SumTree(capacity).set(jnp.arange(capacity), jnp.ones(capacity)))
+            tree_sample = held.read(lambda t, k: t.sample(k, BATCH))
+            record("tree sample", capacity, lambda: tree_sample(key))  # noqa: B023
+            tree_set = held.update(lambda t, i, v: t.set(i, v))
+            record("tree set", capacity, lambda: tree_set(idx, val))  # noqa: B023
+            example = {"x": jnp.zeros(4)}
+            held = _Held(PrioritisedItemBuffer(example, add_batch_size=1, capacity=capacity))
+            fill = held.update(lambda b, x: b.add(x))
+            chunk = min(capacity, 10**6)
+            for _ in range(-(-capacity // chunk)):
+                fill({"x": jnp.ones((1, chunk, 4))})
+            buffer_sample = held.read(lambda b, k: b.sample(k, BATCH))
+            record("buffer sample", capacity, lambda: buffer_sample(key))  # noqa: B023
+            held.arrays = None
+            gc.collect()
+    lo, hi = min(capacities), max(capacities)
+    print(f"\n## Against capacity ({lo:.0e} and {hi:.0e}): batch {BATCH}, items of 4 float32\n")
+    rows = []
+    for what in ("tree sample", "tree set", "buffer sample"):
+        a, b = times[(what, lo)], times[(what, hi)]
+        rows.append(
+            {
+                "op": what,
+                f"{lo:.0e}": fmt_time(min(a)),
+                f"{hi:.0e}": fmt_time(min(b)),
+                "ratio per round": " ".join(f"{y / x:.2f}x" for x, y in zip(a, b, strict=True)),
+                "ratio of best (target <= 1.5)": f"{min(b) / min(a):.2f}x",
+            }
+        )
+    print(table(rows))
 
 
 # ------------------------------------------------------------------------ main
@@ -226,75 +292,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
     parser.add_argument("--capacity", type=int, default=None, help="steps held (buffers)")
+    parser.add_argument("--rounds", type=int, default=2, help="repeats of sections 2 and 3")
     parser.add_argument("--skip-layouts", action="store_true")
+    parser.add_argument("--skip-buffers", action="store_true")
+    parser.add_argument("--skip-scaling", action="store_true")
     args = parser.parse_args()
     quick = args.quick
     repeat = 5 if quick else 20
     capacity = args.capacity or (5_000 if quick else 500_000)
-    print(f"devices: {jax.devices()}")
-
+    print(f"devices: {jax.devices()}", flush=True)
     if not args.skip_layouts:
         layout_caps = [10**3, 10**4] if quick else [10**3, 10**4, 10**5, 10**6, 10**7]
         rows = bench_layouts(layout_caps, repeat)
         print("\n## SumTree layouts (batch 256)\n")
-        print(table([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]))
-
-    print(f"\n## Buffers: {capacity:,} steps of {OBS} float32, add batch 1, sample {BATCH}\n")
-    results = {
-        "equibuffer uniform": bench_ours(False, capacity, repeat),
-        "equibuffer prioritised": bench_ours(True, capacity, repeat),
-        "flashbax uniform": bench_flashbax(False, capacity, repeat),
-        "flashbax prioritised": bench_flashbax(True, capacity, repeat),
-    }
-    print(
-        table(
-            [
-                {"buffer": name, **{k: fmt_time(v) for k, v in r.items()}}
-                for name, r in results.items()
-                if "set_priorities" in r
-            ]
-            + [
-                {"buffer": name, **{k: fmt_time(v) for k, v in r.items()}, "set_priorities": "-"}
-                for name, r in results.items()
-                if "set_priorities" not in r
-            ]
-        )
-    )
-    ours_u, ours_p = results["equibuffer uniform"], results["equibuffer prioritised"]
-    fbx_u, fbx_p = results["flashbax uniform"], results["flashbax prioritised"]
-    print("\n## Ratios\n")
-    print(
-        table(
-            [
-                {
-                    "ratio": "prioritised sample / uniform sample",
-                    "equibuffer": f"{ours_p['sample'] / ours_u['sample']:.2f}x",
-                    "flashbax": f"{fbx_p['sample'] / fbx_u['sample']:.2f}x",
-                },
-                {
-                    "ratio": "prioritised add / uniform add (1 step)",
-                    "equibuffer": f"{ours_p['add'] / ours_u['add']:.2f}x",
-                    "flashbax": f"{fbx_p['add'] / fbx_u['add']:.2f}x",
-                },
-                {
-                    "ratio": "set_priorities 256: flashbax / equibuffer",
-                    "equibuffer": f"{fbx_p['set_priorities'] / ours_p['set_priorities']:.2f}x",
-                    "flashbax": "-",
-                },
-            ]
-        )
-    )
-
-    caps = [10**3, 10**5] if quick else [10**5, 10**7]
-    scaling = bench_scaling(caps, repeat)
-    lo, hi = caps
-    print(f"\n## Prioritised sample of {BATCH} (items of 4 float32) against capacity\n")
-    print(
-        table(
-            [{"capacity": f"{c:.0e}", "sample": fmt_time(t)} for c, t in scaling.items()]
-            + [{"capacity": f"{hi:.0e} / {lo:.0e}", "sample": f"{scaling[hi] / scaling[lo]:.2f}x"}]
-        )
-    )
+        print(table(rows))
+    if not args.skip_buffers:
+        bench_buffers(capacity, repeat, args.rounds)
+    if not args.skip_scaling:
+        bench_scaling([10**3, 10**5] if quick else [10**5, 10**7], repeat, args.rounds)
 
 
 if __name__ == "__main__":

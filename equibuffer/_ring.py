@@ -5,6 +5,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from equinox.internal import unvmap_all
 from jaxtyping import Array, Int, PyTree, Shaped
 
 from ._checks import as_example_leaf, check_dtype, check_positive_int, check_structure, keystr
@@ -141,14 +142,31 @@ class RingStorage(eqx.Module):
         keep = min(t, length)
         start = (self.head + (t - keep)) % length
 
-        def put(stored: Array, new: Any) -> Array:
-            new = jnp.asarray(new)[:, t - keep :]
-            if keep == 1:
-                return jax.lax.dynamic_update_slice_in_dim(stored, new, start, axis=1)
-            slots = (start + jnp.arange(keep, dtype=jnp.int32)) % length
-            return stored.at[:, slots].set(new, unique_indices=True, mode="promise_in_bounds")
+        batch = jax.tree.map(lambda x: jnp.asarray(x)[:, t - keep :], batch)
 
-        data = jax.tree.map(put, self.data, batch)
+        def contiguous(data: Any, new: Any) -> Any:
+            def put(stored: Array, x: Array) -> Array:
+                return jax.lax.dynamic_update_slice_in_dim(stored, x, start, axis=1)
+
+            return jax.tree.map(put, data, new)
+
+        def wrapping(data: Any, new: Any) -> Any:
+            slots = (start + jnp.arange(keep, dtype=jnp.int32)) % length
+
+            def put(stored: Array, x: Array) -> Array:
+                return stored.at[:, slots].set(x, unique_indices=True, mode="promise_in_bounds")
+
+            return jax.tree.map(put, data, new)
+
+        if keep == 1:
+            data = contiguous(self.data, batch)
+        else:
+            # A block that does not run past the end of the ring is one dynamic_update_slice
+            # (a memcpy, ~5x faster on CPU than the scatter, which is kept for the write that
+            # wraps). The predicate is reduced over vmapped axes, so the cond never becomes a
+            # select of both branches over the whole ring.
+            fits = unvmap_all(start + keep <= length)
+            data = jax.lax.cond(fits, contiguous, wrapping, self.data, batch)
         head = (self.head + t % length) % length
         fill = jnp.minimum(self.fill + keep, length)
         lo = self.count_lo + jnp.uint32(t % _TWO_32)

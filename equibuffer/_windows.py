@@ -62,3 +62,22 @@ def gather(
         return leaf.reshape(-1, *leaf.shape[2:]).at[flat].get(mode="promise_in_bounds")
 
     return jax.tree.map(take, storage.data)
+
+
+def gather_steps(
+    storage: RingStorage, indices: Indices, sequence_length: int
+) -> list[PyTree[Shaped[Array, "batch ..."]]]:
+    """Step `j` of the window at each flat index, for `j < sequence_length`: one tree with
+    leaves `(batch, *leaf)` per step, each gathered straight from the ring (no
+    `(batch, sequence_length, *leaf)` intermediate to slice, which costs a copy)."""
+    length = storage.length
+    row, slot = indices // length, indices % length
+
+    def step(j: int) -> PyTree[Shaped[Array, "batch ..."]]:
+        flat = row * length + (slot + j) % length
+        return jax.tree.map(
+            lambda leaf: leaf.reshape(-1, *leaf.shape[2:]).at[flat].get(mode="promise_in_bounds"),
+            storage.data,
+        )
+
+    return [step(j) for j in range(sequence_length)]

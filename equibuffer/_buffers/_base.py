@@ -102,6 +102,10 @@ class AbstractBuffer(eqx.Module):
         return self.storage.fill * self.storage.rows
 
     def _draw(self, key: PRNGKeyArray, batch_size: int) -> tuple[Indices, Steps, Any]:
+        indices, steps = self._draw_indices(key, batch_size)
+        return indices, steps, gather(self.storage, indices, self.sequence_length)
+
+    def _draw_indices(self, key: PRNGKeyArray, batch_size: int) -> tuple[Indices, Steps]:
         batch_size = check_positive_int(f"{type(self).__name__}.sample()", "batch_size", batch_size)
         indices, steps = uniform_windows(
             self.storage, key, batch_size, self.sequence_length, self.period
@@ -113,7 +117,7 @@ class AbstractBuffer(eqx.Module):
             f"least min_length={self.min_length} steps per row and one window of "
             f"sequence_length={self.sequence_length}. Check `buffer.can_sample()` first.",
         )
-        return indices, steps, gather(self.storage, indices, self.sequence_length)
+        return indices, steps
 
     def update(self: _Buffer, fn: "UpdateFn") -> _Buffer:
         """Return the buffer with `fn` applied to every stored step (reward relabelling,

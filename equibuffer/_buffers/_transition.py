@@ -1,12 +1,11 @@
 import equinox as eqx
-import jax
 from jaxtyping import PRNGKeyArray
 
 from .._checks import check_positive_int
 from .._custom_types import ExampleTree, ExperienceBatch
 from .._nstep import check_discount, check_leaves, check_n_step, n_step_from_storage
 from .._ring import RingStorage
-from .._windows import uniform_windows
+from .._windows import gather_steps, uniform_windows
 from ._base import (
     AbstractBuffer,
     add_to_storage,
@@ -140,9 +139,7 @@ class TransitionBuffer(AbstractBuffer):
                 self.storage, indices, self.n_step, self.discount, *self.leaf_names
             )
             return Sample(experience=experience, indices=indices, steps=steps)
-        indices, steps, windows = self._draw(key, batch_size)
-        pair = Transition(
-            first=jax.tree.map(lambda x: x[:, 0], windows),
-            second=jax.tree.map(lambda x: x[:, 1], windows),
-        )
-        return Sample(experience=pair, indices=indices, steps=steps)
+        indices, steps = self._draw_indices(key, batch_size)
+        # Each step gathered on its own: slicing a gathered (batch, 2, ...) pair costs a copy.
+        first, second = gather_steps(self.storage, indices, 2)
+        return Sample(experience=Transition(first, second), indices=indices, steps=steps)

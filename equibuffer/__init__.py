@@ -23,6 +23,8 @@ from ._buffers._prioritised import (
 from ._buffers._queue import Queue as Queue
 from ._buffers._trajectory import TrajectoryBuffer as TrajectoryBuffer
 from ._buffers._transition import TransitionBuffer as TransitionBuffer
+from ._cluster import ClusteredBuffer as ClusteredBuffer, ClusteredSample as ClusteredSample
+from ._mixer import MixedSample as MixedSample, Mixer as Mixer
 from ._nstep import n_step_transition as n_step_transition, NStepTransition as NStepTransition
 from ._ring import RingStorage as RingStorage
 from ._sumtree import SumTree as SumTree

@@ -22,9 +22,14 @@ def _docstring_examples():
     found = []
     for name in eb.__all__ if hasattr(eb, "__all__") else dir(eb):
         obj = getattr(eb, name)
-        if not inspect.isclass(obj) or not obj.__module__.startswith("equibuffer"):
+        if not getattr(obj, "__module__", "").startswith("equibuffer"):
             continue
-        members = [obj, *(m for _, m in inspect.getmembers(obj) if callable(m))]
+        if inspect.isclass(obj):
+            members = [obj, *(m for _, m in inspect.getmembers(obj) if callable(m))]
+        elif inspect.isfunction(obj):
+            members = [obj]
+        else:
+            continue
         for member in members:
             doc = inspect.getdoc(member) or ""
             for block in re.findall(r"!!! example\n\n(.*?)```\n", doc + "\n", flags=re.S):

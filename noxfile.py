@@ -49,6 +49,15 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python="3.12")
 def bench(session: nox.Session) -> None:
-    """Benchmarks side by side with the peers (ratios, never pass/fail). `-- --quick` for small."""
-    install(session, "bench")
-    session.run("python", "-m", "benchmarks.bench_core", *session.posargs)
+    """Benchmarks side by side with the peers (ratios, never pass/fail). `-- --quick` for small.
+
+    `nox -s bench -- --quick` runs every script at small sizes; `nox -s bench -- core` (or
+    `prioritised`, `archive`, `issue6`) runs one, with any further arguments passed to it.
+    """
+    install(session, "bench", package=".[s3]")
+    names = ["core", "prioritised", "archive", "issue6"]
+    args = list(session.posargs)
+    chosen = [a for a in args if a in names] or names
+    flags = [a for a in args if a not in names]
+    for name in chosen:
+        session.run("python", "-m", f"benchmarks.bench_{name}", *flags)

@@ -1,6 +1,8 @@
 """Episode-aware sequence sampling: windows that stay inside one episode (never_cross) or are
 cut and zero-padded at its end (pad), checked against a NumPy enumeration of valid windows."""
 
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -284,7 +286,7 @@ def test_motivating_case_scaled(mode, getkey):
 
 def test_construction_errors():
     make = EpisodeTrajectoryBuffer
-    kw = {"add_batch_size": 2, "max_length": 8, "sequence_length": 3}
+    kw: dict[str, Any] = {"add_batch_size": 2, "max_length": 8, "sequence_length": 3}
     with pytest.raises(ValueError, match=r"episode_end='end'.*\['done'\]"):
         make(_example(), episode_end="end", **kw)
     with pytest.raises(TypeError, match=r"\['done'\] must be a 0-d bool.*int32"):

@@ -32,7 +32,8 @@ from ._base import (
 )
 
 
-EpisodeEnd: TypeAlias = str | Callable[[PyTree[Shaped[Array, "..."]]], Bool[Array, ""]]
+# A leaf name, or `step -> 0-d bool` (its output is checked at construction, with a message).
+EpisodeEnd: TypeAlias = str | Callable[[PyTree[Shaped[Array, "..."]]], Any]
 
 # Leaves hold 0 or 1 and every node an integer count, exact in float32 up to 2**24.
 _MAX_LEAVES = 1 << 24
@@ -291,7 +292,7 @@ class EpisodeTrajectoryBuffer(AbstractBuffer):
             example = {"done": jnp.bool_(False)}
             buffer = EpisodeTrajectoryBuffer(example, add_batch_size=1, max_length=8,
                                              sequence_length=3)
-            buffer = buffer.add({"done": jnp.array([[False, True, False, False, False]])})
+            buffer = buffer.add({"done": jnp.array([[True, False, False, False, False]])})
             assert int(buffer.num_valid_windows()) == 2  # steps 1-3 and 2-4
             ```
         """

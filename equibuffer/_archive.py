@@ -3,8 +3,8 @@
 Layout (plain zarr v3, readable by any zarr tool or xarray):
 
 - one array per leaf of the experience tree, shaped `(rows, time, *leaf)`, chunked
-  `(1, chunk_steps, *leaf)` inside shards `(rows, shard_steps, *leaf)`, with
-  `dimension_names` `("row", "time", ...)`;
+  `(1, chunk_steps, *leaf)` (by default one object per chunk; optionally inside shards
+  `(rows, shard_steps, *leaf)`), with `dimension_names` `("row", "time", ...)`;
 - the root group's attribute `"equibuffer"`: the format version, the schema (leaf paths, shapes,
   dtypes) and the *committed* state (how many time steps are visible, and which steps of the
   source buffer they are). It is rewritten only after every chunk it covers has been written,
@@ -14,13 +14,20 @@ Layout (plain zarr v3, readable by any zarr tool or xarray):
 
 Every key is replaced atomically (a local directory writes a temporary file and renames it;
 an object store replaces whole objects), which is what makes the ordering above crash-safe.
+
+Speed: unsharded archives (the default) are read and written by this module directly, chunk by
+chunk (the same bytes zarr writes: the `bytes` codec, then zstd or blosc), with the chunks of a
+call encoded, decoded and moved concurrently on a thread pool; zarr's per-chunk machinery is
+only used for sharded archives (`shard_steps=`).
 """
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import re
@@ -54,7 +61,8 @@ _LOCK_KEY = "_writer_lock/zarr.json"
 _TWO_32 = 1 << 32
 _INT64_MAX = (1 << 63) - 1
 _CHUNK_BYTES = 1 << 17  # target uncompressed bytes of one chunk (one row)
-_SHARD_BYTES = 32 << 20  # target uncompressed bytes of one shard (all rows)
+_BLOCK_BYTES = 32 << 20  # target uncompressed bytes of one shard / one read block (all rows)
+_THREADS = max(4, 2 * (os.cpu_count() or 1))
 _MAX_CHUNK_STEPS = 1 << 14
 
 Compression = Literal["zstd", "lz4", "none"]
@@ -318,6 +326,99 @@ def _pow2_floor(x: float) -> int:
     return 1 << max(0, int(np.floor(np.log2(max(x, 1.0)))))
 
 
+def _separator(array: Any) -> str:
+    encoding = getattr(array.metadata, "chunk_key_encoding", None)
+    return getattr(encoding, "separator", "/")
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_TMP_PREFIX = uuid.uuid4().hex[:12]  # temporary file names: unique to this process
+_TMP_COUNT = itertools.count()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for chunk I/O: the codecs release the GIL, and so does file I/O."""
+    global _POOL
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(_THREADS, "equibuffer-archive")
+    return _POOL
+
+
+class _Chunks:
+    """Direct I/O of the chunks of one unsharded leaf array, byte for byte what zarr writes and
+    reads: key `name/c.row.chunk.0...` (or with the array's own separator), the `bytes` codec
+    (little endian), then the compressor; every chunk full-sized (the tail chunk padded with
+    the fill value 0)."""
+
+    def __init__(
+        self, store: Store, leaf: _Leaf, chunk_steps: int, compression: str, separator: str
+    ):
+        import numcodecs
+
+        self.store = store
+        self.name = leaf.name
+        self.shape = (chunk_steps, *leaf.shape)
+        self.dtype = np.dtype(leaf.stored).newbyteorder("<")
+        self.sep = separator
+        self.tail = f"{separator}0" * len(leaf.shape)
+        self.root = store.root if isinstance(store, zarr.storage.LocalStore) else None
+        self.dirs: set[Any] = set()  # directories known to exist
+        if compression == "zstd":
+            self.codec: Any = numcodecs.Zstd(level=1)
+        elif compression == "lz4":
+            self.codec = numcodecs.Blosc(cname="lz4", clevel=5, shuffle=numcodecs.Blosc.SHUFFLE)
+        else:
+            self.codec = None
+
+    def key(self, row: int, chunk: int) -> str:
+        sep = self.sep
+        return f"{self.name}/c{sep}{row}{sep}{chunk}{self.tail}"
+
+    def get(self, row: int, chunk: int, out: np.ndarray | None = None) -> np.ndarray | None:
+        """The decoded chunk (read-only; or decoded straight into `out`, a C-contiguous array
+        of the chunk's shape and dtype), or None if it was never written."""
+        key = self.key(row, chunk)
+        if self.root is not None:
+            try:
+                with open(os.path.join(self.root, key), "rb") as f:
+                    data: Any = f.read()
+            except FileNotFoundError:
+                return None
+        else:
+            buf = sync(self.store.get(key, prototype=default_buffer_prototype()))
+            if buf is None:
+                return None
+            data = buf.to_bytes()
+        if out is not None and self.codec is not None:
+            self.codec.decode(data, out=out)
+            return out
+        if self.codec is not None:
+            data = self.codec.decode(data)
+        x = np.frombuffer(data, self.dtype).reshape(self.shape)
+        if out is not None:
+            out[...] = x
+            return out
+        return x
+
+    def put(self, row: int, chunk: int, x: np.ndarray) -> None:
+        """Replace one chunk atomically (a temporary file renamed over it, or one PUT)."""
+        x = np.ascontiguousarray(x, self.dtype)
+        data = x.tobytes() if self.codec is None else bytes(self.codec.encode(x))
+        key = self.key(row, chunk)
+        if self.root is not None:
+            path = os.path.join(self.root, key)
+            folder = os.path.dirname(path)
+            if folder not in self.dirs:
+                os.makedirs(folder, exist_ok=True)
+                self.dirs.add(folder)
+            tmp = f"{path}.{_TMP_PREFIX}{next(_TMP_COUNT)}.partial"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        else:
+            sync(self.store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
+
+
 class Archive:
     """A zarr v3 archive of a buffer's experience that grows along time without bound: the
     on-disk (or object-storage) dataset for offline RL on more than fits in memory.
@@ -385,10 +486,13 @@ class Archive:
         - `compression`: `"zstd"` (level 1, the default: the best ratio at a speed above the
             disk's, measured in `benchmarks/bench_archive.py`), `"lz4"` (blosc, faster, lower
             ratio) or `"none"`. Only used when creating.
-        - `chunk_steps`, `shard_steps`: time steps per chunk (one row) and per shard (all
-            rows); by default about 128 KiB per chunk (small, for random windows) and 32 MiB
-            per shard, in powers of two.
-            Only used when creating. `shard_steps` must be a multiple of `chunk_steps`.
+        - `chunk_steps`: time steps per chunk (one row); by default about 128 KiB, in a power
+            of two (small, for random windows; the chunks of a call are processed
+            concurrently, so large reads and writes stay fast). Only used when creating.
+        - `shard_steps`: None (the default) stores each chunk as its own object, read and
+            written directly by this module (fast); an int (a multiple of `chunk_steps`)
+            packs chunks into zarr shards `(rows, shard_steps)` (fewer objects, handled by
+            zarr's sharding codec: slower). Only used when creating.
         - `on_lost`: what `write` does when the ring has overwritten steps never written:
             `"raise"` a `StepsLostError` (the default) or `"warn"`: write the steps still held,
             warn with a `StepsLostWarning` saying how many were lost, and record the gap.
@@ -500,12 +604,9 @@ class Archive:
         if chunk_steps is None:
             chunk_steps = min(_MAX_CHUNK_STEPS, _pow2_floor(_CHUNK_BYTES / step_bytes))
         chunk_steps = check_positive_int(where, "chunk_steps", chunk_steps)
-        if shard_steps is None:
-            shard_steps = chunk_steps * _pow2_floor(
-                _SHARD_BYTES / (rows * chunk_steps * step_bytes)
-            )
-        shard_steps = check_positive_int(where, "shard_steps", shard_steps)
-        if shard_steps % chunk_steps:
+        if shard_steps is not None:
+            shard_steps = check_positive_int(where, "shard_steps", shard_steps)
+        if shard_steps is not None and shard_steps % chunk_steps:
             raise ValueError(
                 f"{where}: shard_steps={shard_steps} must be a multiple of "
                 f"chunk_steps={chunk_steps}."
@@ -517,9 +618,11 @@ class Archive:
                 shape=(rows, 0, *leaf.shape),
                 dtype=leaf.stored,
                 chunks=(1, chunk_steps, *leaf.shape),
-                shards=(rows, shard_steps, *leaf.shape),
+                shards=None if shard_steps is None else (rows, shard_steps, *leaf.shape),
                 compressors=codecs,
                 fill_value=0,
+                # One folder per leaf holding every chunk (not one folder per chunk).
+                chunk_key_encoding={"name": "default", "separator": "."},
                 dimension_names=(
                     "row",
                     "time",
@@ -549,12 +652,20 @@ class Archive:
             )
         self.rows: int = int(meta["rows"])
         self.chunk_steps: int = int(meta["chunk_steps"])
-        self.shard_steps: int = int(meta["shard_steps"])
+        shard = meta["shard_steps"]
+        self.shard_steps: int | None = None if shard is None else int(shard)
         self.compression: str = meta["compression"]
         self.leaves = [
             _Leaf(d["path"], d["name"], tuple(d["shape"]), d["dtype"], d["stored_dtype"])
             for d in meta["leaves"]
         ]
+        step_bytes = max(
+            int(np.prod(leaf.shape)) * np.dtype(leaf.stored).itemsize for leaf in self.leaves
+        )
+        # Steps per block of a long read or an iteration: a shard, or about 32 MiB.
+        self.block_steps: int = self.shard_steps or self.chunk_steps * _pow2_floor(
+            _BLOCK_BYTES / (self.rows * self.chunk_steps * step_bytes)
+        )
         self._meta = meta
         self._commit = _Commit.from_json(meta["committed"])
         self._open_arrays()
@@ -565,6 +676,20 @@ class Archive:
             leaf.name: zarr.open_array(self.store, path=leaf.name, mode=mode, zarr_format=3)
             for leaf in self.leaves
         }
+        self._chunks = (
+            None
+            if self.shard_steps is not None
+            else [
+                _Chunks(
+                    self.store,
+                    leaf,
+                    self.chunk_steps,
+                    self.compression,
+                    _separator(self._arrays[leaf.name]),
+                )
+                for leaf in self.leaves
+            ]
+        )
 
     def _clean_partial(self) -> None:
         """Remove the temporary files a killed writer may have left in a local directory."""
@@ -739,6 +864,10 @@ class Archive:
         new = old + k
         for leaf in self.leaves:
             self._arrays[leaf.name].resize((self.rows, new, *leaf.shape))
+        if self._chunks is not None:
+            self._append_chunks(host, old, new)
+            return
+        assert self.shard_steps is not None
         # Blocks aligned to shard boundaries: each shard is written once.
         bounds = [
             old,
@@ -756,6 +885,43 @@ class Archive:
                 for leaf, block in zip(self.leaves, host, strict=True):
                     self._arrays[leaf.name][:, a:b] = block[:, a - old : b - old]
                 bar.update((b - a) * self.rows)
+
+    def _append_chunks(self, host: list[np.ndarray], old: int, new: int) -> None:
+        """Unsharded: encode and put every chunk that steps `[old, new)` touch, concurrently.
+        A chunk already holding committed steps is read, completed and replaced whole."""
+        assert self._chunks is not None
+        cs = self.chunk_steps
+        tasks = [
+            (chunks, block, r, c)
+            for chunks, block in zip(self._chunks, host, strict=True)
+            for r in range(self.rows)
+            for c in range(old // cs, -(-new // cs))
+        ]
+
+        def put(task: tuple[_Chunks, np.ndarray, int, int]) -> int:
+            chunks, block, r, c = task
+            a, b = max(old, c * cs), min(new, (c + 1) * cs)
+            if a == c * cs and b == (c + 1) * cs:
+                x = block[r, a - old : b - old]
+            else:
+                x = np.zeros(chunks.shape, chunks.dtype)
+                if a > c * cs:
+                    prev = chunks.get(r, c)
+                    if prev is not None:
+                        x[: a - c * cs] = prev[: a - c * cs]
+                x[a - c * cs : b - c * cs] = block[r, a - old : b - old]
+            chunks.put(r, c, x)
+            return b - a
+
+        with tqdm(
+            total=(new - old) * self.rows * len(self.leaves),
+            unit="step",
+            desc="archive write",
+            disable=not self.progress,
+            delay=self._progress_delay,
+        ) as bar:
+            for done in _pool().map(put, tasks):
+                bar.update(done)
 
     def _commit_state(self, commit: _Commit) -> None:
         meta = dict(self._meta, committed=commit.as_json())
@@ -795,6 +961,8 @@ class Archive:
         return {leaf.name: a for leaf, a in zip(self.leaves, out, strict=True)}
 
     def _read_raw(self, start: int, stop: int, rows: Any) -> list[np.ndarray]:
+        if self._chunks is not None:
+            return self._read_chunks(start, stop, rows)
         out = []
         for leaf in self.leaves:
             arr = self._arrays[leaf.name]
@@ -803,6 +971,39 @@ class Archive:
             else:
                 out.append(np.asarray(arr.oindex[rows, start:stop]))
         return out
+
+    def _read_chunks(self, start: int, stop: int, rows: Any) -> list[np.ndarray]:
+        """Unsharded: get and decode every touched chunk concurrently, straight into place."""
+        assert self._chunks is not None
+        cs = self.chunk_steps
+        row_ids = range(self.rows)[rows] if isinstance(rows, slice) else [int(r) for r in rows]
+        outs = [
+            np.empty((len(row_ids), stop - start, *leaf.shape), np.dtype(leaf.stored))
+            for leaf in self.leaves
+        ]
+        tasks = [
+            (chunks, out, i, r, c)
+            for chunks, out in zip(self._chunks, outs, strict=True)
+            for i, r in enumerate(row_ids)
+            for c in range(start // cs, -(-stop // cs))
+        ]
+
+        def get(task: tuple[_Chunks, np.ndarray, int, int, int]) -> None:
+            chunks, out, i, r, c = task
+            a, b = max(start, c * cs), min(stop, (c + 1) * cs)
+            if b - a == cs:  # a whole chunk: decoded in place
+                if chunks.get(r, c, out[i, a - start : b - start]) is None:
+                    out[i, a - start : b - start] = 0
+                return
+            x = chunks.get(r, c)
+            if x is None:
+                out[i, a - start : b - start] = 0  # never written: zarr's fill value
+            else:
+                out[i, a - start : b - start] = x[a - c * cs : b - c * cs]
+
+        for _ in _pool().map(get, tasks):
+            pass
+        return outs
 
     def read(
         self, start: int = 0, stop: int | None = None, *, rows: Any = None
@@ -819,8 +1020,8 @@ class Archive:
         stop = n if stop is None else (stop + n if stop < 0 else stop)
         self._check_range(where, start, stop)
         rsel = self._rows_index(where, rows)
-        if stop - start > 4 * self.shard_steps and self.progress:
-            parts = [raw for _, raw in self._iter_raw(start, stop, rsel, self.shard_steps)]
+        if stop - start > 4 * self.block_steps and self.progress:
+            parts = [raw for _, raw in self._iter_raw(start, stop, rsel, self.block_steps)]
             return self._unflatten([np.concatenate(p, axis=1) for p in zip(*parts, strict=True)])
         return self._unflatten(self._read_raw(start, stop, rsel))
 
@@ -846,10 +1047,10 @@ class Archive:
         rows: Any = None,
     ) -> Iterator[tuple[int, PyTree[np.ndarray]]]:
         """Iterate over `[start, stop)` in blocks of `steps` time steps (default
-        `shard_steps`), yielding `(index of the block's first step, data)` with data as in
-        `read`. The snapshot is the one current when iteration starts."""
+        `block_steps`: about 32 MiB, or a shard), yielding `(index of the block's first step,
+        data)` with data as in `read`. The snapshot is the one current when iteration starts."""
         where = "Archive.iter()"
-        steps = self.shard_steps if steps is None else check_positive_int(where, "steps", steps)
+        steps = self.block_steps if steps is None else check_positive_int(where, "steps", steps)
         n = self._commit.length
         stop = n if stop is None else stop
         self._check_range(where, start, stop)
@@ -955,7 +1156,40 @@ class Archive:
         starts = np.asarray(firsts)[seg] + (k - cum[seg]) * period
         return ArchiveSample(self._gather(r, starts, seq), r, starts)
 
+    def _gather_chunks(self, rows: np.ndarray, starts: np.ndarray, seq: int) -> Any:
+        """Unsharded: every chunk the windows touch is read and decoded once (concurrently),
+        then each window is gathered from the decoded chunks."""
+        assert self._chunks is not None
+        cs = self.chunk_steps
+        steps = starts[:, None] + np.arange(seq)
+        per_row = -(-self._commit.length // cs)
+        ids = (rows[:, None] * per_row + steps // cs).ravel()
+        needed, which = np.unique(ids, return_inverse=True)
+        which = which.reshape(steps.shape)
+        offsets = steps % cs
+        stacks = [np.empty((len(needed), *c.shape), c.dtype) for c in self._chunks]
+        tasks = [
+            (chunks, stack, j)
+            for chunks, stack in zip(self._chunks, stacks, strict=True)
+            for j in range(len(needed))
+        ]
+
+        def get(task: tuple[_Chunks, np.ndarray, int]) -> None:
+            chunks, stack, j = task
+            if chunks.get(*divmod(int(needed[j]), per_row), stack[j]) is None:
+                stack[j] = 0
+
+        for _ in _pool().map(get, tasks):
+            pass
+        out = [
+            stack[which, offsets].view(np.dtype(leaf.stored))
+            for stack, leaf in zip(stacks, self.leaves, strict=True)
+        ]
+        return self._unflatten(out)
+
     def _gather(self, rows: np.ndarray, starts: np.ndarray, seq: int) -> Any:
+        if self._chunks is not None:
+            return self._gather_chunks(rows, starts, seq)
         # One orthogonal selection per (leaf, row) of the union of that row's window steps:
         # zarr reads each touched chunk once, and all selections run concurrently.
         steps = starts[:, None] + np.arange(seq)

@@ -1,13 +1,16 @@
 """Tests of the zarr v3 `Archive`. The behaviour tests take a `location` fixture; here it is a
 local directory or an in-memory zarr store, and `test_archive_s3.py` reruns them on S3."""
 
+import atexit
 import dataclasses
+import functools
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 import warnings
@@ -39,18 +42,23 @@ from .helpers import chi_square_pvalue
 class Location:
     store: Any
     options: dict | None = None
+    shard_steps: int | None = None
 
     def open(self, like: Any = None, **kwargs: Any) -> Archive:
         kwargs.setdefault("progress", False)
         kwargs.setdefault("chunk_steps", 4)
-        kwargs.setdefault("shard_steps", 8)
+        kwargs.setdefault("shard_steps", self.shard_steps)
         return Archive(self.store, like, storage_options=self.options, **kwargs)
 
 
-@pytest.fixture(params=["dir", "memory"])
+@pytest.fixture(params=["dir", "memory", "sharded"])
 def location(request, tmp_path) -> Location:
+    """Chunks read and written directly (a directory, a memory store), or through zarr's
+    sharding codec (shards of 8 steps)."""
     if request.param == "dir":
         return Location(str(tmp_path / "run.zarr"))
+    if request.param == "sharded":
+        return Location(str(tmp_path / "run.zarr"), shard_steps=8)
     return Location(zarr.storage.MemoryStore())
 
 
@@ -371,10 +379,13 @@ def test_compression_and_chunk_options(tmp_path):
             archive.write(big)
             ratios[compression] = archive.compression_ratio()
             np.testing.assert_array_equal(archive.read()["img"], img)
+        # The chunks this module encodes are the ones zarr decodes, for every codec.
+        np.testing.assert_array_equal(zarr.open_array(str(tmp_path / compression), path="img"), img)
     assert ratios["zstd"] > 10 and ratios["lz4"] > 2 and ratios["none"] < 1.1
     default = Archive(str(tmp_path / "default"), big)
     default.close()
-    assert default.shard_steps % default.chunk_steps == 0 and default.chunk_steps >= 16
+    assert default.shard_steps is None and default.chunk_steps >= 16
+    assert default.block_steps % default.chunk_steps == 0
     with pytest.raises(ValueError, match="shard_steps=6 must be a multiple of chunk_steps=4"):
         Archive(str(tmp_path / "bad"), big, chunk_steps=4, shard_steps=6)
     with pytest.raises((ValueError, TypeError), match="compression"):
@@ -396,30 +407,67 @@ def test_progress_bar_can_be_shown_or_turned_off(tmp_path, capsys, monkeypatch):
 # ------------------------------------------------------------------------------ crashes
 
 
-def crash_writer_many_times(store: str, options: str | None, kills: int, seed: int) -> None:
-    """SIGKILL a writer subprocess at random moments; after each kill the archive must open,
-    keep every step it had committed, hold exactly the right data, and accept new writes."""
-    rng = np.random.default_rng(seed)
+@functools.cache
+def writer_server() -> subprocess.Popen:
+    """One fork server (`archive_writer.py --serve`) for every crash test of the session: the
+    imports are paid once, and each writer it forks starts in about a second."""
     root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, str(root / "tests" / "archive_writer.py"), store]
-    if options:
-        cmd.append(options)
     path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
-    committed = 0
-    for _ in range(kills):
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=root)
-        assert proc.stdout is not None
+    cmd = [sys.executable, str(root / "tests" / "archive_writer.py"), "--serve"]
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=root
+    )
+
+    def stop() -> None:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.close()
         try:
-            line = proc.stdout.readline()  # "committed N": opened, restored, about to write
-            assert line.startswith("committed"), line
-            assert int(line.split()[1]) >= committed
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+    atexit.register(stop)
+    return proc
+
+
+def committed_lines(log: Path) -> list[int]:
+    text = log.read_text() if log.exists() else ""
+    return [int(ln.split()[1]) for ln in text.splitlines() if ln.startswith("committed")]
+
+
+def crash_writer_many_times(
+    store: str, options: str | None, kills: int, seed: int, shard_steps: int | None = None
+) -> None:
+    """SIGKILL a writer process at random moments (0 to 0.4 s after it has opened the archive,
+    restored its ring and started writing); after each kill the archive must open, keep every
+    step it had committed, hold exactly the right data, and accept new writes."""
+    rng = np.random.default_rng(seed)
+    server = writer_server()
+    assert server.stdin is not None and server.stdout is not None
+    folder = Path(tempfile.mkdtemp())
+    committed = 0
+    for kill in range(kills):
+        log = folder / f"writer-{kill}.log"
+        server.stdin.write(f"{store}\t{options or ''}\t{shard_steps or ''}\t{log}\n")
+        server.stdin.flush()
+        reply = server.stdout.readline()
+        assert reply.startswith("pid"), reply
+        pid = int(reply.split()[1])
+        try:
+            deadline = time.monotonic() + 120
+            while not committed_lines(log):  # opened, restored, about to write
+                assert time.monotonic() < deadline, "the writer never started"
+                time.sleep(0.01)
+            assert committed_lines(log)[0] >= committed
             time.sleep(float(rng.uniform(0.0, 0.4)))
         finally:
-            proc.send_signal(signal.SIGKILL)
-            rest, _ = proc.communicate()
-        lines = [ln for ln in [line, *rest.splitlines()] if ln.startswith("committed")]
-        committed = int(lines[-1].split()[1])
+            os.kill(pid, signal.SIGKILL)
+            status = int(server.stdout.readline().split()[1])
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL  # killed, alive
+        committed = committed_lines(log)[-1]
         reader = Archive(store, mode="r", storage_options=json.loads(options) if options else None)
         n = len(reader)
         assert n >= committed  # no committed step lost (it may have committed one more)
@@ -440,3 +488,8 @@ def crash_writer_many_times(store: str, options: str | None, kills: int, seed: i
 
 def test_writer_killed_at_random_moments(tmp_path):
     crash_writer_many_times(str(tmp_path / f"crash-{uuid.uuid4().hex}.zarr"), None, 5, 0)
+
+
+def test_sharded_writer_killed_at_random_moments(tmp_path):
+    """The same through zarr's sharding codec (shards rewritten as they fill)."""
+    crash_writer_many_times(str(tmp_path / f"crash-{uuid.uuid4().hex}.zarr"), None, 3, 1, 8)

@@ -79,13 +79,13 @@ def bench_layouts(capacities: list[int], repeat: int, inner: int = 50) -> list[d
     run inside one `lax.scan`, so that dispatch overhead is amortised."""
     rows = []
     for capacity in capacities:
-        layouts: list[tuple[str, int]] = [("binary", 2), ("4-ary", 4), ("8-ary", 8)]
-        layouts += [("16-ary", 16), ("32-ary", 32), ("64-ary", 64)]
-        if capacity <= 10**6:
-            layouts.append(("dense", capacity))
+        # (fanout, top): levels of `fanout` children up to a top level of <= `top` nodes,
+        # searched densely (prefix sums + binary search); `top >= capacity`: one dense level.
+        layouts = [(2, 2), (8, 8), (8, 512), (16, 2048), (32, 4096), (16, 2**14)]
         values = jax.random.uniform(jax.random.key(0), (capacity,))
-        for name, fanout in layouts:
-            tree = SumTree(capacity, fanout).set(jnp.arange(capacity), values)
+        for fanout, top in layouts:
+            name = f"{fanout}-ary, top <= {top}"
+            tree = SumTree(capacity, fanout, top).set(jnp.arange(capacity), values)
 
             def sets(tree, key):
                 def body(tree, key):

@@ -1,5 +1,6 @@
 """A sum tree over non-negative priorities: batched set, get, total and proportional sampling."""
 
+import functools
 import math
 
 import equinox as eqx
@@ -10,23 +11,27 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 from ._checks import check_positive_int
 
 
-# Picked by measurement (`python -m benchmarks.bench_prioritised`, CPU, batch 256, per batch
-# inside a `lax.scan`; a shared, noisy machine, so only the trends are trusted): a dense single
-# level (prefix sums of every leaf + `searchsorted`) was fastest at 1e3 and 1e4 leaves (sample
-# 8-12 us against 18-33 us for the best tree); at 1e5 and 1e6, 4- and 8-ary trees were fastest
-# to sample (33-46 us and 146-167 us) while 16-ary and wider were 2-10x slower (the per-node
-# prefix sums over `fanout` children) and binary 2-3x slower (twice or more the levels).
-_DENSE_UP_TO = 2**14
-_DEFAULT_FANOUT = 8
+# Picked by measurement (`python -m benchmarks.bench_prioritised`, CPU, batch 256, one jitted
+# call per operation: on a CPU most of the cost of a batch of 256 is the fixed cost of each XLA
+# kernel, one or two per level, so fewer levels win): see `bench_layouts` there.
+_DEFAULT_FANOUT = 16
+_DEFAULT_TOP = 2048
 
 
-def _level_sizes(capacity: int, fanout: int) -> list[int]:
-    """Node counts per level, leaves first, root (1 node) last; at least two levels."""
-    sizes = [capacity]
-    while True:
-        sizes.append(math.ceil(sizes[-1] / fanout))
-        if sizes[-1] == 1:
-            return sizes
+@functools.cache
+def _layout(capacity: int, fanout: int, top: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`(sizes, offsets)` of the levels inside the flat node array: the leaves first, each
+    level above with one node per `fanout` nodes below, up to the first level of at most `top`
+    nodes (the top level); every level padded with zeros to whole groups of `fanout`; then the
+    root (1 node, the sum of the top level)."""
+    real = [capacity]
+    while real[-1] > top:
+        real.append(math.ceil(real[-1] / fanout))
+    sizes = [math.ceil(n / fanout) * fanout for n in real] + [1]
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+    return tuple(sizes), tuple(offsets)
 
 
 class SumTree(eqx.Module):
@@ -35,72 +40,84 @@ class SumTree(eqx.Module):
     leaf is drawn with probability proportional to its priority in O(log N).
 
     Every operation is batched and vectorised: a batch of `B` updates, reads or draws costs
-    `O(B * fanout * log_fanout(N))` array work, level by level, with no loop over the batch.
-    An update recomputes each touched node as the sum of its children (never by adding a
-    difference), so float32 rounding does not build up however many updates are made.
+    `O(B * fanout * log_fanout(N / top) + top)` array work, level by level, with no loop over
+    the batch and nothing of size `N`. An update recomputes each touched node as the sum of its
+    children (never by adding a difference), so float32 rounding does not build up however
+    many updates are made.
 
-    Layout: level 0 holds the leaves (padded with zeros to a multiple of `fanout`), each level
-    above has one node per `fanout` nodes below, and the last level is the root. A tree with
-    `fanout >= capacity` is a single dense level: sampling then takes the prefix sums of all
-    leaves and binary-searches them (`O(N + B log N)`), which is fastest for small capacities.
+    Layout: one flat `float32` array `nodes`. Level 0 holds the leaves (padded with zeros to a
+    multiple of `fanout`), each level above has one node per `fanout` nodes below, up to the
+    first level of at most `top` nodes; the last node is the root, the sum of that top level.
+    Sampling takes the prefix sums of the top level once per batch and then descends one
+    level per step; with `capacity <= top` the leaves are the top level (a single dense level,
+    fastest for small capacities).
 
     **Arguments:**
 
     - `capacity`: the number of leaves, any positive int.
-    - `fanout`: children per internal node, at least 2. By default: one dense level up to
-        16384 leaves, else 8 (picked by measurement, see `benchmarks/bench_prioritised.py`).
+    - `fanout`: children per internal node, at least 2 (default 16).
+    - `top`: the largest level searched densely, at least 1 (default 2048).
 
-    All leaves start at zero.
+    The defaults were picked by measurement (see `benchmarks/bench_prioritised.py`). All
+    leaves start at zero.
 
     !!! example
 
         ```python
         import jax, jax.numpy as jnp
-        from equibuffer._sumtree import SumTree
+        import equibuffer as eb
 
-        tree = SumTree(5).set(jnp.array([0, 3]), jnp.array([1.0, 3.0]))
+        tree = eb.SumTree(5).set(jnp.array([0, 3]), jnp.array([1.0, 3.0]))
         assert float(tree.total()) == 4.0
         draws = tree.sample(jax.random.key(0), 8)  # only leaves 0 and 3, about 1:3
         assert set(draws.tolist()) <= {0, 3}
         ```
     """
 
-    levels: tuple[Float[Array, " _"], ...]
+    nodes: Float[Array, " nodes"]
     capacity: int = eqx.field(static=True)
     fanout: int = eqx.field(static=True)
+    top: int = eqx.field(static=True)
 
-    def __init__(self, capacity: int, fanout: int | None = None):
+    def __init__(self, capacity: int, fanout: int = _DEFAULT_FANOUT, top: int = _DEFAULT_TOP):
         where = "SumTree()"
         self.capacity = check_positive_int(where, "capacity", capacity)
-        if fanout is None:
-            fanout = self.capacity if self.capacity <= _DENSE_UP_TO else _DEFAULT_FANOUT
-            fanout = max(fanout, 2)
-        fanout = check_positive_int(where, "fanout", fanout)
-        if fanout < 2:
+        self.fanout = check_positive_int(where, "fanout", fanout)
+        if self.fanout < 2:
             raise ValueError(f"{where}: `fanout` must be at least 2, got {fanout}.")
-        if self.capacity >= 2**31:
-            raise ValueError(f"{where}: `capacity` must be below 2**31, got {self.capacity}.")
-        self.fanout = fanout
-        sizes = _level_sizes(self.capacity, fanout)
-        # Each level is padded to whole groups of `fanout` children (zeros, never sampled).
-        shapes = [sizes[i + 1] * fanout for i in range(len(sizes) - 1)] + [1]
-        self.levels = tuple(jnp.zeros(n, jnp.float32) for n in shapes)
+        self.top = check_positive_int(where, "top", top)
+        _, offsets = _layout(self.capacity, self.fanout, self.top)
+        if offsets[-1] >= 2**31:
+            raise ValueError(
+                f"{where}: `capacity` must be below about 2**31 (the nodes are indexed with "
+                f"int32), got {self.capacity}."
+            )
+        self.nodes = jnp.zeros(offsets[-1], jnp.float32)
 
     # ------------------------------------------------------------------ reads
 
+    @property
+    def levels(self) -> tuple[Float[Array, " _"], ...]:
+        """Every level as its own array (padded), leaves first, the root (1 node) last."""
+        sizes, offsets = _layout(self.capacity, self.fanout, self.top)
+        return tuple(self.nodes[o : o + n] for o, n in zip(offsets, sizes, strict=False))
+
     def total(self) -> Float[Array, ""]:
         """The sum of all leaves (the root), a 0-d float32."""
-        return self.levels[-1][0]
+        return self.nodes[-1]
 
     def get(self, indices: Int[ArrayLike, " batch"]) -> Float[Array, " batch"]:
         """The leaves at `indices` (any int dtype, each in `[0, capacity)`; checked inside jit
         with `eqx.error_if`)."""
         indices = self._check_indices("SumTree.get()", indices)
-        return self.levels[0].at[indices].get(mode="promise_in_bounds")
+        indices = eqx.error_if(
+            indices, _out_of_range(indices, self.capacity), _index_message("SumTree.get()", self)
+        )
+        return self.nodes.at[indices].get(mode="promise_in_bounds")
 
     def values(self) -> Float[Array, " capacity"]:
         """All `capacity` leaves."""
-        return self.levels[0][: self.capacity]
+        return self.nodes[: self.capacity]
 
     # ----------------------------------------------------------------- writes
 
@@ -110,11 +127,13 @@ class SumTree(eqx.Module):
         """Return the tree with leaf `indices[i]` set to `values[i]`, and every node above the
         touched leaves recomputed from its children.
 
-        When an index appears more than once in the batch, the **last** occurrence wins (as
-        with NumPy's `a[indices] = values`), deterministically on every backend.
+        When an index appears more than once in the batch, **one** of its values is written,
+        unspecified which (the scatter's order is up to the backend; on CPU it is the last);
+        the tree stays consistent either way, since the nodes above are recomputed from the
+        leaves written. Deduplicate first where a particular one must win.
 
-        Inside jit, `eqx.error_if` raises on an index outside `[0, capacity)` and on a value
-        that is negative, NaN or infinite. Values are cast to float32.
+        Inside jit, `eqx.error_if` raises on an index outside `[0, capacity)` or on a value
+        that is negative, NaN or infinite (one check). Values are cast to float32.
         """
         where = "SumTree.set()"
         indices = self._check_indices(where, indices)
@@ -125,57 +144,58 @@ class SumTree(eqx.Module):
                 f"{indices.shape}; give one value per index."
             )
         new = new.astype(jnp.float32)
-        new = eqx.error_if(
+        new = eqx.branched_error_if(
             new,
-            jnp.any((new < 0) | ~jnp.isfinite(new)),
-            f"{where}: every value must be non-negative and finite (a negative, NaN or infinite "
-            "priority was given).",
+            _out_of_range(indices, self.capacity) | _not_priorities(new),
+            jnp.where(_out_of_range(indices, self.capacity), 0, 1),
+            [
+                _index_message(where, self),
+                f"{where}: every value must be non-negative and finite (a negative, NaN or "
+                "infinite priority was given).",
+            ],
         )
-        return self.write(indices, new, mask=None, unique=False)
+        return self.write(indices, new)
 
     def write(
         self,
         indices: Int[Array, " batch"],
         values: Float[Array, " batch"],
         *,
-        mask: Bool[Array, " batch"] | None,
-        unique: bool,
+        mask: Bool[Array, " batch"] | None = None,
     ) -> "SumTree":
-        """Unchecked batched write (indices in range, values valid), for the buffers.
-
-        Entries where `mask` is false are skipped. `unique=True` promises that the written
-        indices are distinct and skips the resolution of duplicates (last one wins).
+        """Unchecked batched write (indices in `[0, capacity)`, values non-negative and finite),
+        for the buffers. Entries where `mask` is false are skipped. Duplicates: as for `set`.
         """
         k = self.fanout
-        n0 = self.levels[0].shape[0]
+        sizes, offsets = _layout(self.capacity, self.fanout, self.top)
+        nodes = self.nodes
         indices = indices.astype(jnp.int32)
-        if unique and mask is None:
-            target = indices
-            leaves = (
-                self.levels[0].at[target].set(values, unique_indices=True, mode="promise_in_bounds")
-            )
+        if mask is None:
+            nodes = nodes.at[indices].set(values, mode="promise_in_bounds")
         else:
-            target = _last_wins(indices, mask, n0)
-            leaves = self.levels[0].at[target].set(values, mode="drop")
-        levels = [leaves]
-        if indices.shape[0] * k >= n0:
-            # A batch touching about every group: one dense pass is cheaper than per-node work.
-            for _ in self.levels[1:]:
-                levels.append(levels[-1].reshape(-1, k).sum(axis=1))
-                levels[-1] = _pad_to(levels[-1], k)
-        else:
-            node = indices
-            arange = jnp.arange(k, dtype=jnp.int32)
-            for level in self.levels[1:]:
+            # Past the end of `nodes`: dropped by the scatter.
+            target = jnp.where(mask, indices, offsets[-1])
+            nodes = nodes.at[target].set(values, mode="drop")
+        # Recompute the touched node of each level above from its children. A skipped entry
+        # recomputes its (unchanged) nodes too, which is harmless; several entries sharing a
+        # node write the same sum.
+        node = indices
+        batch = indices.shape[0]
+        for level in range(1, len(sizes) - 1):
+            below, size_below = offsets[level - 1], sizes[level - 1]
+            if batch * k >= size_below:
+                # A batch touching about every group: one dense pass is cheaper.
+                sums = nodes[below : below + size_below].reshape(-1, k).sum(axis=1)
+                sums = _pad_to(sums, sizes[level])
+                nodes = jax.lax.dynamic_update_slice(nodes, sums, (offsets[level],))
+            else:
                 node = node // k
-                children = (
-                    levels[-1].at[node[:, None] * k + arange[None, :]].get(mode="promise_in_bounds")
+                children = _rows(nodes, below + node * k, k)
+                nodes = nodes.at[offsets[level] + node].set(
+                    children.sum(axis=1), mode="promise_in_bounds"
                 )
-                # Several touched nodes may share a parent: each writes the same sum.
-                levels.append(level.at[node].set(children.sum(axis=1), mode="promise_in_bounds"))
-        # Top level is the root alone; intermediate levels keep their padded shapes.
-        levels[-1] = levels[-1][:1]
-        return eqx.tree_at(lambda t: t.levels, self, tuple(levels))
+        top = nodes[offsets[-3] : offsets[-2]]
+        return eqx.tree_at(lambda t: t.nodes, self, nodes.at[-1].set(jnp.sum(top)))
 
     # --------------------------------------------------------------- sampling
 
@@ -209,64 +229,69 @@ class SumTree(eqx.Module):
         `prefix` in `[0, total)`; a prefix at or past the total (float rounding) maps to the
         last leaf of positive value, so a zero leaf is never returned while `total() > 0`."""
         k = self.fanout
+        sizes, offsets = _layout(self.capacity, self.fanout, self.top)
         u = prefix.astype(jnp.float32)
-        # The root's children are shared by every query: prefix sums once, then binary search.
-        top = self.levels[-2]
+        # The top level is shared by every query: prefix sums once, then a binary search.
+        top = self.nodes[offsets[-3] : offsets[-2]]
         csum = jnp.cumsum(top)
-        child = jnp.searchsorted(csum, u, side="right").astype(jnp.int32)
-        child = jnp.where(child >= top.shape[0], _last_positive(top), child)
-        u = u - jnp.where(child > 0, csum[jnp.maximum(child - 1, 0)], 0.0)
-        node = child
-        arange = jnp.arange(k, dtype=jnp.int32)
-        for level in reversed(self.levels[:-2]):
-            children = level.at[node[:, None] * k + arange[None, :]].get(mode="promise_in_bounds")
-            csum = jnp.cumsum(children, axis=1)
-            child = jnp.sum(csum <= u[:, None], axis=1, dtype=jnp.int32)
-            child = jnp.where(child >= k, _last_positive(children), child)
-            before = jnp.take_along_axis(csum, jnp.maximum(child - 1, 0)[:, None], axis=1)[:, 0]
-            u = u - jnp.where(child > 0, before, 0.0)
+        node = jnp.searchsorted(csum, u, side="right", method="scan_unrolled").astype(jnp.int32)
+        past = node >= top.shape[0]
+        node = jnp.where(past, _last_positive(top), node)
+        u = jnp.where(past, jnp.inf, u - jnp.where(node > 0, csum[jnp.maximum(node - 1, 0)], 0.0))
+        triangle = (jnp.arange(k)[:, None] <= jnp.arange(k)[None, :]).astype(jnp.float32)
+        for level in reversed(range(len(sizes) - 2)):
+            children = _rows(self.nodes, offsets[level] + node * k, k)
+            # Running sums over the `fanout` children as one small matmul with a triangular
+            # 0/1 matrix (a `cumsum` along rows costs O(fanout**2) on XLA:CPU anyway, and
+            # this is a single well-vectorised op). `child` counts running sums <= u, and
+            # `before` is the largest of them (running sums never decrease).
+            running = jnp.dot(children, triangle, precision=jax.lax.Precision.HIGHEST)
+            passed = running <= u[:, None]
+            child = jnp.sum(passed, axis=1, dtype=jnp.int32)
+            before = jnp.max(jnp.where(passed, running, 0.0), axis=1)
+            # u at or past the node's sum (float rounding): its last positive child, and
+            # u = inf from there down, so the last positive leaf below it.
+            past = child >= k
+            child = jnp.where(past, _last_positive(children), child)
+            u = jnp.where(past, jnp.inf, u - before)
             node = node * k + child
         return jnp.minimum(node, self.capacity - 1)
 
     # ---------------------------------------------------------------- helpers
 
     def _check_indices(self, where: str, indices: Int[ArrayLike, " batch"]) -> Int[Array, " b"]:
+        """Static checks (shape, dtype); the range is checked by the caller, with the rest."""
         indices = jnp.asarray(indices)
         if indices.ndim != 1 or not jnp.issubdtype(indices.dtype, jnp.integer):
             raise TypeError(
                 f"{where}: `indices` must be a 1-d integer array, got shape {indices.shape} "
                 f"and dtype {indices.dtype}."
             )
-        indices = indices.astype(jnp.int32)
-        return eqx.error_if(
-            indices,
-            jnp.any((indices < 0) | (indices >= self.capacity)),
-            f"{where}: every index must be in [0, capacity={self.capacity}).",
-        )
+        return indices.astype(jnp.int32)
 
 
-def _pad_to(x: Array, k: int) -> Array:
-    extra = -x.shape[0] % k
-    if x.shape[0] > 1 and extra:
-        x = jnp.concatenate([x, jnp.zeros(extra, x.dtype)])
-    return x
+def _out_of_range(indices: Int[Array, " batch"], n: int) -> Bool[Array, ""]:
+    return jnp.any((indices < 0) | (indices >= n))
+
+
+def _not_priorities(values: Float[Array, " batch"]) -> Bool[Array, ""]:
+    return jnp.any((values < 0) | ~jnp.isfinite(values))
+
+
+def _index_message(where: str, tree: SumTree) -> str:
+    return f"{where}: every index must be in [0, capacity={tree.capacity})."
+
+
+def _rows(nodes: Float[Array, " n"], starts: Int[Array, " b"], k: int) -> Float[Array, "b k"]:
+    """`nodes[starts[i] : starts[i] + k]` for each `i` (one gather of contiguous rows)."""
+    return jax.vmap(lambda s: jax.lax.dynamic_slice(nodes, (s,), (k,)))(starts)
+
+
+def _pad_to(x: Array, n: int) -> Array:
+    return x if x.shape[0] == n else jnp.concatenate([x, jnp.zeros(n - x.shape[0], x.dtype)])
 
 
 def _last_positive(values: Float[Array, "*b k"]) -> Int[Array, "*b"]:
     """Index of the last positive entry along the last axis (0 if none)."""
     k = values.shape[-1]
     return (k - 1 - jnp.argmax(values[..., ::-1] > 0, axis=-1)).astype(jnp.int32)
-
-
-def _last_wins(
-    indices: Int[Array, " batch"], mask: Bool[Array, " batch"] | None, sentinel: int
-) -> Int[Array, " batch"]:
-    """`indices` with every entry that is masked out, or followed later in the batch by the
-    same index, replaced by `sentinel` (out of range: a scatter with `mode="drop"` skips it).
-    A stable sort makes it O(B log B) with no loop over the batch."""
-    key = indices if mask is None else jnp.where(mask, indices, sentinel)
-    order = jnp.argsort(key, stable=True)
-    ordered = key[order]
-    last = jnp.concatenate([ordered[1:] != ordered[:-1], jnp.ones(1, bool)])
-    winner = jnp.zeros(indices.shape, bool).at[order].set(last, unique_indices=True)
-    return jnp.where(winner, key, sentinel)

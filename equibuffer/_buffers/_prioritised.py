@@ -112,7 +112,7 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
         indices = (jnp.arange(rows, dtype=jnp.int32)[:, None] * length + slots[None, :]).reshape(-1)
         fresh = self.max_priority**self.alpha
         values = jnp.broadcast_to(jnp.where(valid, fresh, 0.0), (rows, m)).reshape(-1)
-        tree = self.tree.write(indices, values, mask=None, unique=True)
+        tree = self.tree.write(indices, values)
         return eqx.tree_at(lambda b: (b.storage, b.tree), self, (storage, tree))
 
     def sample(
@@ -148,29 +148,28 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
         exponent = jnp.asarray(beta, jnp.float32)
         if exponent.shape != ():
             raise ValueError(f"{where}: `beta` must be a scalar, got shape {exponent.shape}.")
-        exponent = eqx.error_if(
-            exponent,
-            (exponent < 0) | ~jnp.isfinite(exponent),
-            f"{where}: `beta` must be finite and >= 0.",
-        )
-        indices = self.tree.sample(key, batch_size)
-        indices = eqx.error_if(
-            indices,
-            ~self.can_sample(),
-            f"{where}: the buffer cannot be sampled yet: it needs at least "
-            f"min_length={self.min_length} steps per row and one window of "
-            f"sequence_length={self.sequence_length}. Check `buffer.can_sample()` first.",
-        )
+        # The barrier keeps XLA from fusing the tree search into the gather of the windows
+        # (which would redo the search for every gathered element).
+        indices = jax.lax.optimization_barrier(self.tree.sample(key, batch_size))
         total = self.tree.total()
-        indices = eqx.error_if(
+        # One check (one conditional in the compiled step) for the three ways to fail.
+        failure = jnp.where(~self.can_sample(), 0, jnp.where(total > 0, 2, 1))
+        indices = eqx.branched_error_if(
             indices,
-            ~(total > 0),
-            f"{where}: every valid window has priority 0, so there is nothing to draw "
-            "(`can_sample()` only looks at the counters). Give some windows a positive "
-            "priority with `set_priorities`, or add data (new windows enter at the largest "
-            "priority seen).",
+            (failure < 2) | (exponent < 0) | ~jnp.isfinite(exponent),
+            failure,
+            [
+                f"{where}: the buffer cannot be sampled yet: it needs at least "
+                f"min_length={self.min_length} steps per row and one window of "
+                f"sequence_length={self.sequence_length}. Check `buffer.can_sample()` first.",
+                f"{where}: every valid window has priority 0, so there is nothing to draw "
+                "(`can_sample()` only looks at the counters). Give some windows a positive "
+                "priority with `set_priorities`, or add data (new windows enter at the largest "
+                "priority seen).",
+                f"{where}: `beta` must be finite and >= 0.",
+            ],
         )
-        probabilities = self.tree.levels[0].at[indices].get(mode="promise_in_bounds") / total
+        probabilities = self.tree.nodes.at[indices].get(mode="promise_in_bounds") / total
         # (N P(i))^-beta / max_j (N P(j))^-beta, written so that it neither over- nor
         # underflows: every sampled P(i) > 0, and the ratio to the smallest is >= 1.
         weights = (probabilities / jnp.min(probabilities)) ** -exponent
@@ -209,8 +208,10 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
 
         The updated buffer. An update is **dropped** when its window is no longer what was
         sampled: its first step was overwritten since (its slot now holds another absolute
-        step) or it is no longer a valid window. When an index appears more than once, the
-        last update of it wins. The largest priority applied raises the priority at which
+        step) or it is no longer a valid window. When an index appears more than once, one
+        of its updates is applied, unspecified which (the same window sampled twice normally
+        gets the same priority; deduplicate first if not). The largest priority given for a
+        current window (duplicates included) raises the priority at which
         new windows enter.
         """
         where = f"{type(self).__name__}.set_priorities()"
@@ -246,25 +247,25 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
         if steps.dtype != jnp.uint32:
             raise TypeError(f"{where}: `steps` must be uint32 (`sample.steps`), got {steps.dtype}.")
         new = new.astype(jnp.float32)
-        new = eqx.error_if(
-            new,
-            jnp.any((new < 0) | ~jnp.isfinite(new)),
-            f"{where}: every priority must be non-negative and finite (a negative, NaN or "
-            "infinite priority was given).",
-        )
         indices = indices.astype(jnp.int32)
-        indices = eqx.error_if(
-            indices,
-            jnp.any((indices < 0) | (indices >= self.tree.capacity)),
-            f"{where}: every index must be in [0, add_batch_size * max_length="
-            f"{self.tree.capacity}); pass `sample.indices`.",
+        out_of_range = jnp.any((indices < 0) | (indices >= self.tree.capacity))
+        new = eqx.branched_error_if(
+            new,
+            out_of_range | jnp.any((new < 0) | ~jnp.isfinite(new)),
+            jnp.where(out_of_range, 0, 1),
+            [
+                f"{where}: every index must be in [0, add_batch_size * max_length="
+                f"{self.tree.capacity}); pass `sample.indices`.",
+                f"{where}: every priority must be non-negative and finite (a negative, NaN or "
+                "infinite priority was given).",
+            ],
         )
         offset, valid = self._offsets(indices)
         held_step = self.storage.count_lo - self.storage.fill.astype(jnp.uint32)
         held_step = held_step + offset.astype(jnp.uint32)
         current = valid & (held_step == steps)
         values = jnp.where(new > 0, new**self.alpha, 0.0)
-        tree = self.tree.write(indices, values, mask=current, unique=False)
+        tree = self.tree.write(indices, values, mask=current)
         applied = jnp.max(jnp.where(current, new, 0.0))
         max_priority = jnp.maximum(self.max_priority, applied)
         return eqx.tree_at(lambda b: (b.tree, b.max_priority), self, (tree, max_priority))

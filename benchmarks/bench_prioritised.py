@@ -138,17 +138,23 @@ def _peer(name: str, capacity: int) -> dict[str, Any]:
         }
     import flashbax as fbx
 
-    def make(add_sequences: bool):
-        common = dict(
+    def make(add_sequences: bool) -> Any:
+        if name.endswith("prioritised"):
+            return fbx.make_prioritised_flat_buffer(
+                max_length=capacity,
+                min_length=2,
+                sample_batch_size=BATCH,
+                add_sequences=add_sequences,
+                add_batch_size=1,
+                priority_exponent=0.6,
+            )
+        return fbx.make_flat_buffer(
             max_length=capacity,
             min_length=2,
             sample_batch_size=BATCH,
             add_sequences=add_sequences,
             add_batch_size=1,
         )
-        if name.endswith("prioritised"):
-            return fbx.make_prioritised_flat_buffer(**common, priority_exponent=0.6)
-        return fbx.make_flat_buffer(**common)
 
     one_step, seq = make(False), make(True)
     return {

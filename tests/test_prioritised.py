@@ -7,7 +7,6 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import initialize, invariant, precondition, rule, RuleBasedStateMachine
 
-import equibuffer as eb
 from equibuffer._buffers._prioritised import (
     PrioritisedItemBuffer,
     PrioritisedSample,
@@ -343,10 +342,11 @@ def test_jitted_donated_loop_never_retraces(kind):
 
     buffer = _make(kind, 2, 8, seq=3, period=1).add(_batch(2, 0, 3))
     shapes = jax.tree.map(lambda x: (x.shape, x.dtype), buffer)
+    sample = None
     for i in range(12):
         buffer, sample = step(buffer, _batch(2, 3 + i, None), jax.random.key(i))
     assert jax.tree.map(lambda x: (x.shape, x.dtype), buffer) == shapes
-    assert isinstance(sample, eb.Sample) and sample.weights.shape == (8,)
+    assert isinstance(sample, PrioritisedSample) and sample.weights.shape == (8,)
 
 
 def test_vmapped_training_run_with_cond_on_can_sample():

@@ -12,6 +12,10 @@ from ._buffers._base import (
     Sample as Sample,
     Transition as Transition,
 )
+from ._buffers._episodes import (
+    EpisodeSample as EpisodeSample,
+    EpisodeTrajectoryBuffer as EpisodeTrajectoryBuffer,
+)
 from ._buffers._item import ItemBuffer as ItemBuffer
 from ._buffers._prioritised import (
     AbstractPrioritisedBuffer as AbstractPrioritisedBuffer,

@@ -346,11 +346,13 @@ def test_plain_zarr_layout_readable_by_zarr_and_xarray(tmp_path):
         warnings.simplefilter("error")
         group = zarr.open_group(path, mode="r")
         assert sorted(name for name, _ in group.members()) == ["flag", "obs"]
-        np.testing.assert_array_equal(group["obs"][:], expected(0, 10)["obs"])
+        obs: Any = group["obs"]
+        np.testing.assert_array_equal(obs[:], expected(0, 10)["obs"])
         ds = xr.open_zarr(path, zarr_format=3, consolidated=False)
     assert ds["obs"].dims == ("row", "time", "obs_0") and ds.sizes["time"] == 10
     np.testing.assert_array_equal(ds["obs"].values, expected(0, 10)["obs"])
-    assert group.attrs["equibuffer"]["committed"]["length"] == 10
+    meta: Any = group.attrs["equibuffer"]
+    assert meta["committed"]["length"] == 10
 
 
 def test_zip_is_read_only(tmp_path):
@@ -447,7 +449,23 @@ def crash_writer_many_times(
     rng = np.random.default_rng(seed)
     server = writer_server()
     assert server.stdin is not None and server.stdout is not None
-    folder = Path(tempfile.mkdtemp())
+    folder = Path(tempfile.mkdtemp(prefix="archive-writer-logs-"))
+    try:
+        _crash(store, options, kills, rng, server, folder, shard_steps)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _crash(
+    store: str,
+    options: str | None,
+    kills: int,
+    rng: np.random.Generator,
+    server: subprocess.Popen,
+    folder: Path,
+    shard_steps: int | None,
+) -> None:
+    assert server.stdin is not None and server.stdout is not None
     committed = 0
     for kill in range(kills):
         log = folder / f"writer-{kill}.log"

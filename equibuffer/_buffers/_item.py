@@ -1,10 +1,10 @@
 import equinox as eqx
-import jax
 from jaxtyping import PRNGKeyArray
 
 from .._checks import check_positive_int
 from .._custom_types import ExampleTree, ExperienceBatch
 from .._ring import RingStorage
+from .._windows import gather_steps
 from ._base import AbstractBuffer, add_to_storage, check_window_config, resolve_length, Sample
 
 
@@ -67,6 +67,6 @@ class ItemBuffer(AbstractBuffer):
 
         A [`equibuffer.Sample`][] whose `experience` leaves are `(batch_size, *leaf)`.
         """
-        indices, steps, windows = self._draw(key, batch_size)
-        items = jax.tree.map(lambda x: x[:, 0], windows)
+        indices, steps = self._draw_indices(key, batch_size)
+        (items,) = gather_steps(self.storage, indices, 1)
         return Sample(experience=items, indices=indices, steps=steps)

@@ -8,13 +8,13 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree, Shaped
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from .._checks import check_positive_int
 from .._custom_types import ExampleTree, ExperienceBatch, Indices, Steps
 from .._ring import RingStorage
 from .._sumtree import SumTree
-from .._windows import gather, window_layout
+from .._windows import gather, gather_steps, window_layout
 from ._base import AbstractBuffer, check_window_config, resolve_length, Sample, Transition
 
 
@@ -73,8 +73,9 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
     alpha: eqx.AbstractVar[float]
 
     @abc.abstractmethod
-    def _experience(self, windows: PyTree[Shaped[Array, "batch sequence ..."]]) -> Any:
-        """Shape the gathered windows into what `sample` returns for this kind of buffer."""
+    def _experience(self, indices: Indices) -> Any:
+        """Gather the windows starting at `indices`, shaped as `sample` returns them for this
+        kind of buffer."""
 
     def add(self: _Prioritised, batch: ExperienceBatch) -> _Prioritised:
         """Return the buffer with `batch` appended to every row, and the priorities kept in
@@ -176,9 +177,8 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
         offset, _ = self._offsets(indices)
         steps = self.storage.count_lo - self.storage.fill.astype(jnp.uint32)
         steps = steps + offset.astype(jnp.uint32)
-        windows = gather(self.storage, indices, self.sequence_length)
         return PrioritisedSample(
-            experience=self._experience(windows),
+            experience=self._experience(indices),
             indices=indices,
             steps=steps,
             probabilities=probabilities,
@@ -374,8 +374,8 @@ class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
             alpha,
         )
 
-    def _experience(self, windows: PyTree[Shaped[Array, "batch sequence ..."]]) -> Any:
-        return windows
+    def _experience(self, indices: Indices) -> Any:
+        return gather(self.storage, indices, self.sequence_length)
 
 
 class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
@@ -442,11 +442,10 @@ class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
             alpha,
         )
 
-    def _experience(self, windows: PyTree[Shaped[Array, "batch sequence ..."]]) -> Any:
-        return Transition(
-            first=jax.tree.map(lambda x: x[:, 0], windows),
-            second=jax.tree.map(lambda x: x[:, 1], windows),
-        )
+    def _experience(self, indices: Indices) -> Any:
+        # Each step gathered on its own: slicing a gathered (batch, 2, ...) pair costs a copy.
+        first, second = gather_steps(self.storage, indices, 2)
+        return Transition(first=first, second=second)
 
 
 class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
@@ -510,5 +509,5 @@ class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
             alpha,
         )
 
-    def _experience(self, windows: PyTree[Shaped[Array, "batch sequence ..."]]) -> Any:
-        return jax.tree.map(lambda x: x[:, 0], windows)
+    def _experience(self, indices: Indices) -> Any:
+        return gather_steps(self.storage, indices, 1)[0]

@@ -42,18 +42,11 @@ class Sample(eqx.Module):
 _Buffer = TypeVar("_Buffer", bound="AbstractBuffer")
 
 
-class AbstractBuffer(eqx.Module):
-    """The interface every buffer shares: a [`equibuffer.RingStorage`][] plus a rule saying
-    which windows of `sequence_length` steps may be sampled.
-
-    Concrete buffers are final; they differ only in their configuration and in the shape of
-    what `sample` returns.
-    """
+class AbstractRingHolder(eqx.Module):
+    """Anything built on one [`equibuffer.RingStorage`][] (every buffer, and the `Queue`):
+    the sizes it reports are the ring's."""
 
     storage: eqx.AbstractVar[RingStorage]
-    sequence_length: eqx.AbstractVar[int]
-    period: eqx.AbstractVar[int]
-    min_length: eqx.AbstractVar[int]
 
     @property
     def add_batch_size(self) -> int:
@@ -69,6 +62,20 @@ class AbstractBuffer(eqx.Module):
     def capacity(self) -> int:
         """The number of steps held in total, `add_batch_size * max_length`."""
         return self.storage.rows * self.storage.length
+
+
+class AbstractBuffer(AbstractRingHolder):
+    """The interface every buffer shares: a [`equibuffer.RingStorage`][] plus a rule saying
+    which windows of `sequence_length` steps may be sampled.
+
+    Concrete buffers are final; they differ only in their configuration and in the shape of
+    what `sample` returns.
+    """
+
+    storage: eqx.AbstractVar[RingStorage]
+    sequence_length: eqx.AbstractVar[int]
+    period: eqx.AbstractVar[int]
+    min_length: eqx.AbstractVar[int]
 
     @abc.abstractmethod
     def add(self: _Buffer, batch: ExperienceBatch) -> _Buffer:

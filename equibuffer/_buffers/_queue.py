@@ -9,10 +9,10 @@ from jaxtyping import Array, Int
 from .._checks import check_positive_int
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar
 from .._ring import RingStorage
-from ._base import resolve_length, Sample, update_storage, UpdateFn
+from ._base import AbstractRingHolder, resolve_length, Sample, update_storage, UpdateFn
 
 
-class Queue(eqx.Module):
+class Queue(AbstractRingHolder):
     """A first-in first-out queue of trajectories (for on-policy algorithms such as PPO).
 
     `add` appends one or more steps to every row; `sample` returns the oldest
@@ -76,21 +76,6 @@ class Queue(eqx.Module):
             )
         self.storage = RingStorage(example, rows, length)
         self.unread = jnp.array(0, jnp.int32)
-
-    @property
-    def add_batch_size(self) -> int:
-        """The number of rows; every `add` brings one or more steps for each row."""
-        return self.storage.rows
-
-    @property
-    def max_length(self) -> int:
-        """The number of steps held per row."""
-        return self.storage.length
-
-    @property
-    def capacity(self) -> int:
-        """The number of steps held in total, `add_batch_size * max_length`."""
-        return self.storage.rows * self.storage.length
 
     def can_add(self, steps: int = 1) -> BoolScalar:
         """Whether `steps` more steps per row fit without overwriting unread ones (0-d bool)."""

@@ -72,7 +72,22 @@ def mbps(nbytes: float, seconds: float) -> str:
     return f"{nbytes / seconds / 1e6:.0f} MB/s"
 
 
-def bench_dtype(folder: str, dtype: str, steps: int, block: int, compression: Compression) -> dict:
+def read_parts(length: int, payload: int) -> list[tuple[int, int]]:
+    """Long reads are timed in parts of at most ~1.3 GB (a tenth, a twentieth, ... of the
+    time axis, as Vault's `percentiles` can select), each dropped once read, so that the
+    issue's full size (12 GB of float32) fits in memory; both libraries read the same parts."""
+    k = next(k for k in (1, 2, 4, 5, 10, 20, 25, 50, 100) if payload / k <= 1.3e9 or k == 100)
+    return [(length * i // k, length * (i + 1) // k) for i in range(k)]
+
+
+def bench_dtype(
+    folder: str,
+    dtype: str,
+    steps: int,
+    block: int,
+    compression: Compression,
+    fsync: bool = False,
+) -> dict:
     per_row = steps // ROWS
     blocks = per_row // block
     source = frames(ROWS, block, seed=1)
@@ -81,7 +96,7 @@ def bench_dtype(folder: str, dtype: str, steps: int, block: int, compression: Co
     example = {"obs": jnp.zeros(SHAPE, dtype)}
     buffer = eb.TrajectoryBuffer(example, add_batch_size=ROWS, max_length=block, sequence_length=1)
     path = os.path.join(folder, f"eb-{dtype}-{compression}.zarr")
-    archive = Archive(path, buffer, compression=compression, progress=False)
+    archive = Archive(path, buffer, compression=compression, progress=False, fsync=fsync)
     t_write = 0.0
     for i in range(blocks):
         rolled = np.roll(obs, i, axis=1)  # different data in every block
@@ -92,10 +107,13 @@ def bench_dtype(folder: str, dtype: str, steps: int, block: int, compression: Co
     ratio = archive.compression_ratio()
     archive.close()
     reader = Archive(path, mode="r", progress=False)
-    t0 = time.perf_counter()
-    back = reader.read()["obs"]
-    t_read = time.perf_counter() - t0
-    assert back.shape == (ROWS, blocks * block, *SHAPE)
+    t_read = 0.0
+    for a, b in read_parts(len(reader), payload):
+        t0 = time.perf_counter()
+        back = reader.read(a, b)["obs"]
+        t_read += time.perf_counter() - t0
+        assert back.shape == (ROWS, b - a, *SHAPE)
+        del back
     return {
         "path": path,
         "payload": payload,
@@ -130,11 +148,17 @@ def bench_vault(folder: str, dtype: str, obs: np.ndarray, blocks: int) -> tuple[
             vault.write(state, source_interval=(0, block))
             t_write += time.perf_counter() - t0
         reader = Vault(f"vault-{dtype}", vault_uid="x")
-        t0 = time.perf_counter()
-        back = reader.read().experience["obs"]
-        back.block_until_ready()
-        t_read = time.perf_counter() - t0
-        assert back.shape[1] == blocks * block
+        parts = read_parts(blocks * block, obs[:, :1].nbytes * blocks * block)
+        t_read, seen = 0.0, 0
+        for i in range(len(parts)):
+            t0 = time.perf_counter()
+            pct = (100 * i // len(parts), 100 * (i + 1) // len(parts))
+            back = reader.read(percentiles=pct).experience["obs"]
+            back.block_until_ready()
+            t_read += time.perf_counter() - t0
+            seen += back.shape[1]
+            del back
+        assert seen == blocks * block
     finally:
         os.chdir(cwd)
     return t_write, t_read
@@ -175,6 +199,8 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--codecs", default="zstd,lz4,none", help="compressions to run")
     parser.add_argument("--dtypes", default="uint8,float32")
+    parser.add_argument("--fsync", action="store_true", help="also zstd with fsync=True")
+    parser.add_argument("--no-vault", action="store_true")
     args = parser.parse_args()
     steps = args.steps or (2**14 if args.quick else 2**17)
     block = min(args.block, steps // ROWS)
@@ -190,18 +216,21 @@ def main() -> None:
         windows = []
         for dtype in args.dtypes.split(","):
             default: dict = {}
-            for compression in ["zstd", *(c for c in args.codecs.split(",") if c != "zstd")]:
-                r = bench_dtype(folder, dtype, steps, block, compression)  # type: ignore[arg-type]
+            runs = ["zstd", *(c for c in args.codecs.split(",") if c != "zstd")]
+            runs += ["zstd+fsync"] if args.fsync else []
+            for run in runs:
+                compression, _, sync = run.partition("+")
+                r = bench_dtype(folder, dtype, steps, block, compression, fsync=bool(sync))  # type: ignore[arg-type]
                 row = {
                     "dtype": dtype,
-                    "store": f"equibuffer ({compression})",
+                    "store": f"equibuffer ({run})",
                     "write": mbps(r["payload"], r["write_s"]),
                     "read": mbps(r["payload"], r["read_s"]),
                     "write/disk": f"{r['payload'] / r['write_s'] / dw:.2f}",
                     "read/disk": f"{r['payload'] / r['read_s'] / dr:.2f}",
                     "ratio": f"{r['ratio']:.2f}",
                 }
-                if compression == "zstd":
+                if run == "zstd":
                     default = r
                     wb, wo, length = bench_windows(r["path"], 8 if args.quick else 40)
                     windows.append(
@@ -215,7 +244,10 @@ def main() -> None:
                     )
                 rows.append(row)
                 shutil.rmtree(r["path"])
+            if args.no_vault:
+                continue
             vw, vr = bench_vault(folder, dtype, default["obs"], default["blocks"])
+            shutil.rmtree(os.path.join(folder, "vaults"), ignore_errors=True)
             rows.append(
                 {
                     "dtype": dtype,

@@ -32,6 +32,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 import uuid
 import warnings
@@ -61,7 +62,8 @@ _LOCK_KEY = "_writer_lock/zarr.json"
 _TWO_32 = 1 << 32
 _INT64_MAX = (1 << 63) - 1
 _CHUNK_BYTES = 1 << 17  # target uncompressed bytes of one chunk (one row)
-_BLOCK_BYTES = 32 << 20  # target uncompressed bytes of one shard / one read block (all rows)
+_SHARD_BYTES = 16 << 20  # target uncompressed bytes of one shard (all rows)
+_BLOCK_BYTES = 32 << 20  # target uncompressed bytes of one read block (all rows)
 _THREADS = max(4, 2 * (os.cpu_count() or 1))
 _MAX_CHUNK_STEPS = 1 << 14
 
@@ -344,6 +346,128 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     return _POOL
 
 
+def _numcodec(codec: Any) -> Any:
+    """The numcodecs twin of a zarr v3 compressor (same bytes), None for no compressor, or
+    `False` for one this module does not handle directly (zarr's own path is used then)."""
+    import numcodecs
+
+    if codec is None:
+        return None
+    if isinstance(codec, zarr.codecs.ZstdCodec):
+        return numcodecs.Zstd(level=codec.level, checksum=codec.checksum)
+    if isinstance(codec, zarr.codecs.BloscCodec):
+        shuffle = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[
+            str(getattr(codec.shuffle, "value", codec.shuffle))
+        ]
+        return numcodecs.Blosc(
+            cname=str(getattr(codec.cname, "value", codec.cname)),
+            clevel=codec.clevel,
+            shuffle=shuffle,
+            blocksize=codec.blocksize,
+        )
+    return False
+
+
+def _direct_codecs(array: Any) -> tuple[Any, Any] | None:
+    """`(compressor, sharding)` when this module can read and write `array`'s chunks
+    directly: the `bytes` codec (little endian) then at most one zstd/blosc compressor,
+    either unsharded or in zarr's default shard layout (index at the end: `(offset, nbytes)`
+    uint64 pairs in C order over the shard's chunks, then its crc32c). None otherwise."""
+    codecs = list(array.metadata.codecs)
+    sharding = None
+    if len(codecs) == 1 and isinstance(codecs[0], zarr.codecs.ShardingCodec):
+        sharding = codecs[0]
+        index = list(sharding.index_codecs)
+        location = str(getattr(sharding.index_location, "value", sharding.index_location))
+        if (
+            location != "end"
+            or len(index) != 2
+            or not isinstance(index[0], zarr.codecs.BytesCodec)
+            or not isinstance(index[1], zarr.codecs.Crc32cCodec)
+        ):
+            return None
+        codecs = list(sharding.codecs)
+    if not codecs or not isinstance(codecs[0], zarr.codecs.BytesCodec) or len(codecs) > 2:
+        return None
+    endian = getattr(codecs[0].endian, "value", codecs[0].endian)
+    if endian not in (None, "little"):
+        return None
+    compressor = _numcodec(codecs[1] if len(codecs) == 2 else None)
+    return None if compressor is False else (compressor, sharding)
+
+
+class _Objects:
+    """Whole-object and byte-range I/O on a store: plain files for a local directory (each
+    object replaced atomically: a temporary file renamed over it; with `fsync`, flushed to
+    disk first), the store's own calls otherwise."""
+
+    def __init__(self, store: Store, fsync: bool):
+        self.store = store
+        self.root = str(store.root) if isinstance(store, zarr.storage.LocalStore) else None
+        self.fsync = fsync and self.root is not None
+        self.dirs: set[str] = set()  # directories known to exist
+
+    def get(self, key: str) -> bytes | None:
+        if self.root is not None:
+            try:
+                with open(os.path.join(self.root, key), "rb") as f:
+                    return f.read()
+            except FileNotFoundError:
+                return None
+        buf = sync(self.store.get(key, prototype=default_buffer_prototype()))
+        return None if buf is None else buf.to_bytes()
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes] | None:
+        """The bytes `[a, b)` of each range (`a < 0`: the last `-a` bytes) of an object on a
+        store, by concurrent ranged GETs (only for objects never replaced while read), or
+        None if it does not exist."""
+        from zarr.abc.store import RangeByteRequest, SuffixByteRequest
+
+        proto = default_buffer_prototype()
+
+        async def fetch() -> list:
+            return await asyncio.gather(
+                *(
+                    self.store.get(
+                        key, proto, SuffixByteRequest(-a) if a < 0 else RangeByteRequest(a, b)
+                    )
+                    for a, b in ranges
+                )
+            )
+
+        got = sync(fetch())
+        return None if any(g is None for g in got) else [g.to_bytes() for g in got]
+
+    def put(self, key: str, parts: Sequence[Any]) -> None:
+        """Replace the object `key` by the concatenation of `parts` (bytes-like)."""
+        if self.root is None:
+            data = b"".join(parts)
+            sync(self.store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
+            return
+        path = os.path.join(self.root, key)
+        folder = os.path.dirname(path)
+        if folder not in self.dirs:
+            os.makedirs(folder, exist_ok=True)
+            self.dirs.add(folder)
+        tmp = f"{path}.{_TMP_PREFIX}{next(_TMP_COUNT)}.partial"
+        with open(tmp, "wb") as f:
+            for part in parts:
+                f.write(part)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+def _fsync_path(path: str) -> None:
+    """Flush a file's data, or a directory's entries (renames), to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class _Chunks:
     """Direct I/O of the chunks of one unsharded leaf array, byte for byte what zarr writes and
     reads: key `name/c.row.chunk.0...` (or with the array's own separator), the `bytes` codec
@@ -351,44 +475,23 @@ class _Chunks:
     the fill value 0)."""
 
     def __init__(
-        self, store: Store, leaf: _Leaf, chunk_steps: int, compression: str, separator: str
+        self, objects: _Objects, leaf: _Leaf, chunk_steps: int, codec: Any, separator: str
     ):
-        import numcodecs
-
-        self.store = store
+        self.objects = objects
         self.name = leaf.name
         self.shape = (chunk_steps, *leaf.shape)
         self.dtype = np.dtype(leaf.stored).newbyteorder("<")
         self.sep = separator
         self.tail = f"{separator}0" * len(leaf.shape)
-        self.root = store.root if isinstance(store, zarr.storage.LocalStore) else None
-        self.dirs: set[Any] = set()  # directories known to exist
-        if compression == "zstd":
-            self.codec: Any = numcodecs.Zstd(level=1)
-        elif compression == "lz4":
-            self.codec = numcodecs.Blosc(cname="lz4", clevel=5, shuffle=numcodecs.Blosc.SHUFFLE)
-        else:
-            self.codec = None
+        self.codec = codec
 
     def key(self, row: int, chunk: int) -> str:
         sep = self.sep
         return f"{self.name}/c{sep}{row}{sep}{chunk}{self.tail}"
 
-    def get(self, row: int, chunk: int, out: np.ndarray | None = None) -> np.ndarray | None:
-        """The decoded chunk (read-only; or decoded straight into `out`, a C-contiguous array
-        of the chunk's shape and dtype), or None if it was never written."""
-        key = self.key(row, chunk)
-        if self.root is not None:
-            try:
-                with open(os.path.join(self.root, key), "rb") as f:
-                    data: Any = f.read()
-            except FileNotFoundError:
-                return None
-        else:
-            buf = sync(self.store.get(key, prototype=default_buffer_prototype()))
-            if buf is None:
-                return None
-            data = buf.to_bytes()
+    def decode(self, data: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """One encoded chunk decoded (read-only; or straight into `out`, a C-contiguous array
+        of the chunk's shape and dtype)."""
         if out is not None and self.codec is not None:
             self.codec.decode(data, out=out)
             return out
@@ -400,23 +503,133 @@ class _Chunks:
             return out
         return x
 
+    def encode(self, x: np.ndarray) -> Any:
+        x = np.ascontiguousarray(x, self.dtype)
+        return memoryview(x).cast("B") if self.codec is None else self.codec.encode(x)
+
+    def get(self, row: int, chunk: int, out: np.ndarray | None = None) -> np.ndarray | None:
+        """The decoded chunk (see `decode`), or None if it was never written."""
+        data = self.objects.get(self.key(row, chunk))
+        return None if data is None else self.decode(data, out)
+
     def put(self, row: int, chunk: int, x: np.ndarray) -> None:
         """Replace one chunk atomically (a temporary file renamed over it, or one PUT)."""
-        x = np.ascontiguousarray(x, self.dtype)
-        data = x.tobytes() if self.codec is None else bytes(self.codec.encode(x))
-        key = self.key(row, chunk)
-        if self.root is not None:
-            path = os.path.join(self.root, key)
-            folder = os.path.dirname(path)
-            if folder not in self.dirs:
-                os.makedirs(folder, exist_ok=True)
-                self.dirs.add(folder)
-            tmp = f"{path}.{_TMP_PREFIX}{next(_TMP_COUNT)}.partial"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
+        self.objects.put(self.key(row, chunk), [self.encode(x)])
+
+
+_EMPTY = (1 << 64) - 1  # the shard index's mark of a chunk that is not stored
+
+
+class _Shards(_Chunks):
+    """Direct I/O of one leaf array stored in shards `(rows, shard_steps, *leaf)` of chunks
+    `(1, chunk_steps, *leaf)`, byte for byte zarr's sharding codec: the shard object
+    `name/c.0.shard.0...` holds the encoded chunks back to back, then the index (an
+    `(offset, nbytes)` pair of little-endian uint64 per chunk, C order over `(row, chunk)`,
+    `2**64 - 1` twice for a chunk not stored) and the crc32c of the index.
+
+    A long read or write moves whole shards (few, large objects); random windows read the
+    index and only the chunks they need (the index of a complete shard is cached: such a
+    shard is never rewritten)."""
+
+    def __init__(
+        self,
+        objects: _Objects,
+        leaf: _Leaf,
+        rows: int,
+        chunk_steps: int,
+        shard_steps: int,
+        codec: Any,
+        separator: str,
+    ):
+        super().__init__(objects, leaf, chunk_steps, codec, separator)
+        self.rows = rows
+        self.per_shard = shard_steps // chunk_steps  # chunks per row in a shard
+        self.index_bytes = 16 * rows * self.per_shard + 4
+        self.indexes: dict[int, np.ndarray] = {}  # complete shards' indexes
+
+    def shard_key(self, shard: int) -> str:
+        return self.key(0, shard)
+
+    def parse_index(self, shard: int, raw: bytes) -> np.ndarray:
+        """`(rows, per_shard, 2)` offsets and sizes, checked against the crc32c."""
+        import google_crc32c
+
+        body, crc = raw[:-4], raw[-4:]
+        if google_crc32c.value(body) != int.from_bytes(crc, "little"):
+            raise OSError(
+                f"Archive: the index of shard {self.shard_key(shard)!r} fails its checksum: "
+                "the object is corrupt."
+            )
+        return np.frombuffer(body, "<u8").reshape(self.rows, self.per_shard, 2)
+
+    def get_shard(self, shard: int) -> tuple[np.ndarray, bytes] | None:
+        """`(index, the whole object)`, or None if the shard was never written."""
+        data = self.objects.get(self.shard_key(shard))
+        if data is None:
+            return None
+        return self.parse_index(shard, data[-self.index_bytes :]), data
+
+    def get_chunks(
+        self, shard: int, which: Sequence[tuple[int, int]], complete: bool
+    ) -> list[bytes | None]:
+        """The encoded chunks `(row, chunk in the shard)` of `which` (None: not stored),
+        reading only the index (unless cached) and those bytes, from one version of the
+        shard: one open file; on a store, where ranged reads are separate requests, ranged
+        GETs only for a `complete` shard (never replaced), else one GET of it whole."""
+        key = self.shard_key(shard)
+        none: list[bytes | None] = [None] * len(which)
+        index = self.indexes.get(shard)
+        if self.objects.root is not None:
+            try:
+                fd = os.open(os.path.join(self.objects.root, key), os.O_RDONLY)
+            except FileNotFoundError:
+                return none
+            try:
+                if index is None:
+                    size = os.fstat(fd).st_size
+                    raw = os.pread(fd, self.index_bytes, size - self.index_bytes)
+                    index = self.parse_index(shard, raw)
+                spans = [(int(index[r, j, 0]), int(index[r, j, 1])) for r, j in which]
+                out = [None if o == _EMPTY else os.pread(fd, n, o) for o, n in spans]
+            finally:
+                os.close(fd)
+        elif complete:
+            if index is None:
+                got = self.objects.get_ranges(key, [(-self.index_bytes, 0)])
+                if got is None:
+                    return none
+                index = self.parse_index(shard, got[0])
+            spans = [(int(index[r, j, 0]), int(index[r, j, 1])) for r, j in which]
+            got = self.objects.get_ranges(key, [(o, o + n) for o, n in spans if o != _EMPTY])
+            if got is None:
+                return none
+            data = iter(got)
+            out = [None if o == _EMPTY else next(data) for o, _ in spans]
         else:
-            sync(self.store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
+            whole = self.get_shard(shard)
+            if whole is None:
+                return none
+            index, blob = whole
+            spans = [(int(index[r, j, 0]), int(index[r, j, 1])) for r, j in which]
+            out = [None if o == _EMPTY else blob[o : o + n] for o, n in spans]
+        if complete:
+            self.indexes[shard] = index
+        return out
+
+    def put_shard(self, shard: int, chunks: dict[tuple[int, int], Any]) -> None:
+        """Replace one shard atomically by the encoded `chunks` keyed `(row, chunk)`."""
+        index = np.full((self.rows, self.per_shard, 2), _EMPTY, "<u8")
+        parts, offset = [], 0
+        for (r, j), data in sorted(chunks.items()):
+            n = memoryview(data).nbytes
+            index[r, j] = offset, n
+            parts.append(data)
+            offset += n
+        import google_crc32c
+
+        body = index.tobytes()
+        parts.append(body + google_crc32c.value(body).to_bytes(4, "little"))
+        self.objects.put(self.shard_key(shard), parts)
 
 
 class Archive:
@@ -469,6 +682,7 @@ class Archive:
         on_lost: OnLost = "raise",
         progress: bool = True,
         break_lock: bool = False,
+        fsync: bool = False,
         storage_options: dict | None = None,
     ):
         """**Arguments:**
@@ -489,10 +703,12 @@ class Archive:
         - `chunk_steps`: time steps per chunk (one row); by default about 128 KiB, in a power
             of two (small, for random windows; the chunks of a call are processed
             concurrently, so large reads and writes stay fast). Only used when creating.
-        - `shard_steps`: None (the default) stores each chunk as its own object, read and
-            written directly by this module (fast); an int (a multiple of `chunk_steps`)
-            packs chunks into zarr shards `(rows, shard_steps)` (fewer objects, handled by
-            zarr's sharding codec: slower). Only used when creating.
+        - `shard_steps`: time steps per shard: chunks are packed into zarr shards
+            `(rows, shard_steps)`, one object each. None (the default) picks about 16 MiB
+            of raw data per shard (a power of two times `chunk_steps`): few large objects
+            for long reads and writes, while random windows read only the chunks they need.
+            An int must be a multiple of `chunk_steps`; 0 stores each chunk as its own
+            object (no shards). Only used when creating.
         - `on_lost`: what `write` does when the ring has overwritten steps never written:
             `"raise"` a `StepsLostError` (the default) or `"warn"`: write the steps still held,
             warn with a `StepsLostWarning` saying how many were lost, and record the gap.
@@ -500,6 +716,10 @@ class Archive:
         - `break_lock`: take the writer lock even if another writer holds it. A lock left by a
             killed process on this host is detected and broken automatically; use this for
             one left on another host, only once sure that writer is gone.
+        - `fsync`: on a local directory, flush every object written to disk (`fsync`)
+            before the commit that makes it visible, and the commit itself, so that a
+            committed write also survives power loss or an OS crash, not only a killed
+            process (see the class docstring). Costs throughput; off by default.
         - `storage_options`: options for a URL store (e.g. obstore's `endpoint`,
             `access_key_id`, `secret_access_key`, `region`, `client_options`).
         """
@@ -511,6 +731,7 @@ class Archive:
         self.read_only = mode == "r"
         self.on_lost: OnLost = on_lost
         self.progress = bool(progress)
+        self.fsync = bool(fsync)
         self.store = _open_store(store, storage_options, self.read_only)
         self._where = repr(os.fspath(store)) if isinstance(store, str | os.PathLike) else "store"
         self._token: str | None = None
@@ -604,7 +825,13 @@ class Archive:
         if chunk_steps is None:
             chunk_steps = min(_MAX_CHUNK_STEPS, _pow2_floor(_CHUNK_BYTES / step_bytes))
         chunk_steps = check_positive_int(where, "chunk_steps", chunk_steps)
-        if shard_steps is not None:
+        if shard_steps is None:
+            shard_steps = chunk_steps * _pow2_floor(
+                _SHARD_BYTES / (rows * chunk_steps * step_bytes)
+            )
+        elif shard_steps == 0:
+            shard_steps = None
+        else:
             shard_steps = check_positive_int(where, "shard_steps", shard_steps)
         if shard_steps is not None and shard_steps % chunk_steps:
             raise ValueError(
@@ -662,10 +889,9 @@ class Archive:
         step_bytes = max(
             int(np.prod(leaf.shape)) * np.dtype(leaf.stored).itemsize for leaf in self.leaves
         )
-        # Steps per block of a long read or an iteration: a shard, or about 32 MiB.
-        self.block_steps: int = self.shard_steps or self.chunk_steps * _pow2_floor(
-            _BLOCK_BYTES / (self.rows * self.chunk_steps * step_bytes)
-        )
+        # Steps per block of a long read or an iteration: about 32 MiB, whole shards.
+        unit = self.shard_steps or self.chunk_steps
+        self.block_steps: int = unit * _pow2_floor(_BLOCK_BYTES / (self.rows * unit * step_bytes))
         self._meta = meta
         self._commit = _Commit.from_json(meta["committed"])
         self._open_arrays()
@@ -676,20 +902,41 @@ class Archive:
             leaf.name: zarr.open_array(self.store, path=leaf.name, mode=mode, zarr_format=3)
             for leaf in self.leaves
         }
-        self._chunks = (
-            None
-            if self.shard_steps is not None
-            else [
-                _Chunks(
-                    self.store,
-                    leaf,
-                    self.chunk_steps,
-                    self.compression,
-                    _separator(self._arrays[leaf.name]),
+        # Every chunk (or shard) is read and written by this module itself.
+        self._objects = objects = _Objects(self.store, self.fsync)
+        self._chunks: list[Any] = []
+        for leaf in self.leaves:
+            array = self._arrays[leaf.name]
+            how = _direct_codecs(array)
+            if how is not None and how[1] is None and self.shard_steps is None:
+                self._chunks.append(
+                    _Chunks(objects, leaf, self.chunk_steps, how[0], _separator(array))
                 )
-                for leaf in self.leaves
-            ]
-        )
+            elif (
+                how is not None
+                and how[1] is not None
+                and self.shard_steps is not None
+                and tuple(how[1].chunk_shape) == (1, self.chunk_steps, *leaf.shape)
+                and tuple(array.shards or ()) == (self.rows, self.shard_steps, *leaf.shape)
+            ):
+                self._chunks.append(
+                    _Shards(
+                        objects,
+                        leaf,
+                        self.rows,
+                        self.chunk_steps,
+                        self.shard_steps,
+                        how[0],
+                        _separator(array),
+                    )
+                )
+            else:
+                raise ValueError(
+                    f"Archive(): the array {leaf.name!r} at {self._where} does not have the "
+                    "layout its archive metadata describes (chunks, shards or codecs changed "
+                    f"by another tool: {getattr(array.metadata, 'codecs', None)}); equibuffer "
+                    "cannot read it."
+                )
 
     def _clean_partial(self) -> None:
         """Remove the temporary files a killed writer may have left in a local directory."""
@@ -864,32 +1111,14 @@ class Archive:
         new = old + k
         for leaf in self.leaves:
             self._arrays[leaf.name].resize((self.rows, new, *leaf.shape))
-        if self._chunks is not None:
+        if self.shard_steps is None:
             self._append_chunks(host, old, new)
-            return
-        assert self.shard_steps is not None
-        # Blocks aligned to shard boundaries: each shard is written once.
-        bounds = [
-            old,
-            *range((old // self.shard_steps + 1) * self.shard_steps, new, self.shard_steps),
-        ]
-        bounds.append(new)
-        with tqdm(
-            total=k * self.rows,
-            unit="step",
-            desc="archive write",
-            disable=not self.progress,
-            delay=self._progress_delay,
-        ) as bar:
-            for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-                for leaf, block in zip(self.leaves, host, strict=True):
-                    self._arrays[leaf.name][:, a:b] = block[:, a - old : b - old]
-                bar.update((b - a) * self.rows)
+        else:
+            self._append_shards(host, old, new)
 
     def _append_chunks(self, host: list[np.ndarray], old: int, new: int) -> None:
         """Unsharded: encode and put every chunk that steps `[old, new)` touch, concurrently.
         A chunk already holding committed steps is read, completed and replaced whole."""
-        assert self._chunks is not None
         cs = self.chunk_steps
         tasks = [
             (chunks, block, r, c)
@@ -923,10 +1152,97 @@ class Archive:
             for done in _pool().map(put, tasks):
                 bar.update(done)
 
+    def _append_shards(self, host: list[np.ndarray], old: int, new: int) -> None:
+        """Sharded: encode the chunks that steps `[old, new)` touch concurrently (one task per
+        leaf, shard and row) and write each shard once, whole, as soon as its chunks are
+        encoded. The shard already holding committed steps keeps their encoded chunks as
+        stored (a chunk holding some is decoded, completed and encoded again)."""
+        assert self.shard_steps is not None
+        shards_of: list[_Shards] = self._chunks
+        cs, ss = self.chunk_steps, self.shard_steps
+        per = ss // cs
+        first, last = old // ss, -(-new // ss)
+        kept: list[dict[tuple[int, int], Any]] = [{} for _ in shards_of]
+        prefix: list[dict[int, np.ndarray]] = [{} for _ in shards_of]
+        if old % ss:
+            for li, shards in enumerate(shards_of):
+                got = shards.get_shard(first)
+                if got is None:
+                    continue
+                index, data = got
+                for r in range(self.rows):
+                    for j in range(per):
+                        c = first * per + j
+                        off, n = int(index[r, j, 0]), int(index[r, j, 1])
+                        if off == _EMPTY or c * cs >= old:
+                            continue
+                        if (c + 1) * cs <= old:
+                            kept[li][(r, j)] = data[off : off + n]
+                        else:
+                            prefix[li][r] = shards.decode(data[off : off + n])
+        lock = threading.Lock()
+        pending: dict[tuple[int, int], int] = {}
+        encoded: dict[tuple[int, int], dict[tuple[int, int], Any]] = {}
+        tasks = []
+        for s in range(first, last):
+            for li in range(len(shards_of)):
+                pending[(li, s)] = self.rows
+                encoded[(li, s)] = dict(kept[li]) if s == first else {}
+                tasks.extend((li, s, r) for r in range(self.rows))
+
+        def encode(task: tuple[int, int, int]) -> int:
+            li, s, r = task
+            shards, block = shards_of[li], host[li]
+            mine = {}
+            done = 0
+            for c in range(max(s * per, old // cs), min((s + 1) * per, -(-new // cs))):
+                a, b = max(old, c * cs), min(new, (c + 1) * cs)
+                if a == c * cs and b == (c + 1) * cs:
+                    x = block[r, a - old : b - old]
+                else:
+                    x = np.zeros(shards.shape, shards.dtype)
+                    if a > c * cs and r in prefix[li]:
+                        x[: a - c * cs] = prefix[li][r][: a - c * cs]
+                    x[a - c * cs : b - c * cs] = block[r, a - old : b - old]
+                mine[(r, c - s * per)] = shards.encode(x)
+                done += b - a
+            with lock:
+                encoded[(li, s)].update(mine)
+                pending[(li, s)] -= 1
+                complete = pending[(li, s)] == 0
+            if complete:  # the last row of this shard encoded: write it
+                shards.put_shard(s, encoded.pop((li, s)))
+            return done
+
+        with tqdm(
+            total=(new - old) * self.rows * len(self.leaves),
+            unit="step",
+            desc="archive write",
+            disable=not self.progress,
+            delay=self._progress_delay,
+        ) as bar:
+            for done in _pool().map(encode, tasks):
+                bar.update(done)
+
     def _commit_state(self, commit: _Commit) -> None:
         meta = dict(self._meta, committed=commit.as_json())
-        group = zarr.open_group(self.store, mode="r+", zarr_format=3)
-        group.update_attributes({_ATTR: meta})
+        root = self.store.root if isinstance(self.store, zarr.storage.LocalStore) else None
+        if self.fsync and root is not None:
+            # Everything the commit covers reaches the disk first: the objects (flushed as
+            # written), their directory entries, and the arrays' metadata (their new shape).
+            for leaf in self.leaves:
+                _fsync_path(os.path.join(root, leaf.name, "zarr.json"))
+            for folder in self._objects.dirs:
+                _fsync_path(folder)
+            record = _get_json(self.store, "zarr.json")
+            assert record is not None
+            record.setdefault("attributes", {})[_ATTR] = meta
+            objects = _Objects(self.store, fsync=True)
+            objects.put("zarr.json", [json.dumps(record).encode()])
+            _fsync_path(str(root))
+        else:
+            group = zarr.open_group(self.store, mode="r+", zarr_format=3)
+            group.update_attributes({_ATTR: meta})
         self._meta, self._commit = meta, commit
 
     # ------------------------------------------------------------------------------ reading
@@ -960,27 +1276,26 @@ class Archive:
             return jax.tree.unflatten(self._treedef, out)
         return {leaf.name: a for leaf, a in zip(self.leaves, out, strict=True)}
 
-    def _read_raw(self, start: int, stop: int, rows: Any) -> list[np.ndarray]:
-        if self._chunks is not None:
-            return self._read_chunks(start, stop, rows)
-        out = []
-        for leaf in self.leaves:
-            arr = self._arrays[leaf.name]
-            if isinstance(rows, slice):
-                out.append(np.asarray(arr[rows, start:stop]))
-            else:
-                out.append(np.asarray(arr.oindex[rows, start:stop]))
-        return out
-
-    def _read_chunks(self, start: int, stop: int, rows: Any) -> list[np.ndarray]:
-        """Unsharded: get and decode every touched chunk concurrently, straight into place."""
-        assert self._chunks is not None
-        cs = self.chunk_steps
+    def _read_raw(
+        self, start: int, stop: int, rows: Any, outs: list[np.ndarray] | None = None
+    ) -> list[np.ndarray]:
+        """Steps `[start, stop)` of `rows`, per leaf `(rows, stop - start, *leaf)` in the
+        stored dtype, written into `outs` if given (C-contiguous arrays of that shape)."""
         row_ids = range(self.rows)[rows] if isinstance(rows, slice) else [int(r) for r in rows]
-        outs = [
-            np.empty((len(row_ids), stop - start, *leaf.shape), np.dtype(leaf.stored))
-            for leaf in self.leaves
-        ]
+        if outs is None:
+            outs = [
+                np.empty((len(row_ids), stop - start, *leaf.shape), np.dtype(leaf.stored))
+                for leaf in self.leaves
+            ]
+        if self.shard_steps is None:
+            self._read_chunks(start, stop, list(row_ids), outs)
+        else:
+            self._read_shards(start, stop, list(row_ids), outs)
+        return outs
+
+    def _read_chunks(self, start: int, stop: int, row_ids: list[int], outs: list) -> None:
+        """Unsharded: get and decode every touched chunk concurrently, straight into place."""
+        cs = self.chunk_steps
         tasks = [
             (chunks, out, i, r, c)
             for chunks, out in zip(self._chunks, outs, strict=True)
@@ -1003,7 +1318,75 @@ class Archive:
 
         for _ in _pool().map(get, tasks):
             pass
-        return outs
+
+    def _read_shards(self, start: int, stop: int, row_ids: list[int], outs: list) -> None:
+        """Sharded: one task per (leaf, shard, row) reads that row's chunks of the shard
+        (the whole shard once, when all rows are read) and decodes them into place."""
+        assert self.shard_steps is not None
+        shards_of: list[_Shards] = self._chunks
+        cs, ss = self.chunk_steps, self.shard_steps
+        per = ss // cs
+        n = self._commit.length
+        whole = len(row_ids) == self.rows
+        lock = threading.Lock()
+        cache: dict[tuple[int, int], Any] = {}  # (leaf, shard) -> (index, bytes) or None
+
+        def fetch(li: int, s: int) -> Any:
+            with lock:
+                if (li, s) not in cache:
+                    cache[(li, s)] = threading.Event()
+                    mine = True
+                else:
+                    mine = False
+                got = cache[(li, s)]
+            if mine:
+                event = got
+                result = shards_of[li].get_shard(s)
+                with lock:
+                    cache[(li, s)] = (result,)
+                event.set()
+                return result
+            if isinstance(got, threading.Event):
+                got.wait()
+                with lock:
+                    got = cache[(li, s)]
+            return got[0]
+
+        def get(task: tuple[int, int, int, int]) -> None:
+            li, s, i, r = task
+            shards, out = shards_of[li], outs[li]
+            cs0, cs1 = max(s * per, start // cs), min((s + 1) * per, -(-stop // cs))
+            which = [(r, c - s * per) for c in range(cs0, cs1)]
+            if whole:
+                got = fetch(li, s)
+                if got is None:
+                    datas: list = [None] * len(which)
+                else:
+                    index, blob = got
+                    datas = []
+                    for rr, j in which:
+                        off, size = int(index[rr, j, 0]), int(index[rr, j, 1])
+                        datas.append(None if off == _EMPTY else memoryview(blob)[off : off + size])
+            else:
+                datas = shards.get_chunks(s, which, complete=(s + 1) * ss <= n)
+            for c, data in zip(range(cs0, cs1), datas, strict=True):
+                a, b = max(start, c * cs), min(stop, (c + 1) * cs)
+                dst = out[i, a - start : b - start]
+                if data is None:
+                    dst[...] = 0  # never written: zarr's fill value
+                elif b - a == cs:
+                    shards.decode(data, dst)
+                else:
+                    dst[...] = shards.decode(data)[a - c * cs : b - c * cs]
+
+        tasks = [
+            (li, s, i, r)
+            for s in range(start // ss, -(-stop // ss))
+            for li in range(len(shards_of))
+            for i, r in enumerate(row_ids)
+        ]
+        for _ in _pool().map(get, tasks):
+            pass
 
     def read(
         self, start: int = 0, stop: int | None = None, *, rows: Any = None
@@ -1021,11 +1404,20 @@ class Archive:
         self._check_range(where, start, stop)
         rsel = self._rows_index(where, rows)
         if stop - start > 4 * self.block_steps and self.progress:
-            parts = [raw for _, raw in self._iter_raw(start, stop, rsel, self.block_steps)]
-            return self._unflatten([np.concatenate(p, axis=1) for p in zip(*parts, strict=True)])
+            # Block by block (for the progress bar), each straight into its place.
+            count = len(range(self.rows)[rsel]) if isinstance(rsel, slice) else len(rsel)
+            outs = [
+                np.empty((count, stop - start, *leaf.shape), np.dtype(leaf.stored))
+                for leaf in self.leaves
+            ]
+            for _ in self._iter_raw(start, stop, rsel, self.block_steps, outs):
+                pass
+            return self._unflatten(outs)
         return self._unflatten(self._read_raw(start, stop, rsel))
 
-    def _iter_raw(self, start: int, stop: int, rows: Any, steps: int) -> Iterator[tuple[int, list]]:
+    def _iter_raw(
+        self, start: int, stop: int, rows: Any, steps: int, outs: list | None = None
+    ) -> Iterator[tuple[int, list]]:
         with tqdm(
             total=stop - start,
             unit="step",
@@ -1035,7 +1427,8 @@ class Archive:
         ) as bar:
             for a in range(start, stop, steps):
                 b = min(a + steps, stop)
-                yield a, self._read_raw(a, b, rows)
+                into = None if outs is None else [o[:, a - start : b - start] for o in outs]
+                yield a, self._read_raw(a, b, rows, into)
                 bar.update(b - a)
 
     def iter(
@@ -1159,7 +1552,6 @@ class Archive:
     def _gather_chunks(self, rows: np.ndarray, starts: np.ndarray, seq: int) -> Any:
         """Unsharded: every chunk the windows touch is read and decoded once (concurrently),
         then each window is gathered from the decoded chunks."""
-        assert self._chunks is not None
         cs = self.chunk_steps
         steps = starts[:, None] + np.arange(seq)
         per_row = -(-self._commit.length // cs)
@@ -1187,35 +1579,51 @@ class Archive:
         ]
         return self._unflatten(out)
 
-    def _gather(self, rows: np.ndarray, starts: np.ndarray, seq: int) -> Any:
-        if self._chunks is not None:
-            return self._gather_chunks(rows, starts, seq)
-        # One orthogonal selection per (leaf, row) of the union of that row's window steps:
-        # zarr reads each touched chunk once, and all selections run concurrently.
+    def _gather_shards(self, rows: np.ndarray, starts: np.ndarray, seq: int) -> Any:
+        """Sharded: one task per (leaf, shard) touched reads the index (cached for complete
+        shards) and only the chunks the windows need, each once, and decodes them; then each
+        window is gathered from the decoded chunks."""
+        assert self.shard_steps is not None
+        shards_of: list[_Shards] = self._chunks
+        cs, ss = self.chunk_steps, self.shard_steps
+        per, n = ss // cs, self._commit.length
         steps = starts[:, None] + np.arange(seq)
-        plan = []
-        for r in np.unique(rows).tolist():
-            mine = rows == r
-            times = np.unique(steps[mine])
-            plan.append((r, mine, times, np.searchsorted(times, steps[mine])))
+        chunks_per_row = -(-n // cs)
+        ids = (rows[:, None] * chunks_per_row + steps // cs).ravel()
+        needed, which = np.unique(ids, return_inverse=True)
+        which = which.reshape(steps.shape)
+        offsets = steps % cs
+        r_of, c_of = np.divmod(needed, chunks_per_row)
+        s_of = c_of // per
+        order = np.lexsort((r_of, s_of))  # the needed chunks grouped by shard
+        groups = np.split(order, np.flatnonzero(np.diff(s_of[order])) + 1)
+        stacks = [np.empty((len(needed), *c.shape), c.dtype) for c in shards_of]
 
-        async def fetch() -> list:
-            return await asyncio.gather(
-                *(
-                    self._arrays[leaf.name].async_array.get_orthogonal_selection((r, times))
-                    for leaf in self.leaves
-                    for r, _, times, _ in plan
-                )
-            )
+        def get(task: tuple[int, np.ndarray]) -> None:
+            li, group = task
+            shards, stack = shards_of[li], stacks[li]
+            s = int(s_of[group[0]])
+            which_ = [(int(r_of[k]), int(c_of[k]) - s * per) for k in group]
+            datas = shards.get_chunks(s, which_, complete=(s + 1) * ss <= n)
+            for k, data in zip(group, datas, strict=True):
+                if data is None:
+                    stack[k] = 0
+                else:
+                    shards.decode(data, stack[k])
 
-        got = iter(sync(fetch()))
-        out = []
-        for leaf in self.leaves:
-            res = np.empty((len(rows), seq, *leaf.shape), np.dtype(leaf.stored))
-            for _, mine, _, where in plan:
-                res[mine] = np.asarray(next(got))[where]
-            out.append(res)
+        tasks = [(li, g) for g in groups for li in range(len(shards_of))]
+        for _ in _pool().map(get, tasks):
+            pass
+        out = [
+            stack[which, offsets].view(np.dtype(leaf.stored))
+            for stack, leaf in zip(stacks, self.leaves, strict=True)
+        ]
         return self._unflatten(out)
+
+    def _gather(self, rows: np.ndarray, starts: np.ndarray, seq: int) -> Any:
+        if self.shard_steps is None:
+            return self._gather_chunks(rows, starts, seq)
+        return self._gather_shards(rows, starts, seq)
 
 
 def as_jax(tree: PyTree[np.ndarray]) -> PyTree[Shaped[Array, "..."]]:

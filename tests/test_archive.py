@@ -51,15 +51,15 @@ class Location:
         return Archive(self.store, like, storage_options=self.options, **kwargs)
 
 
-@pytest.fixture(params=["dir", "memory", "sharded"])
+@pytest.fixture(params=["dir", "memory", "unsharded"])
 def location(request, tmp_path) -> Location:
-    """Chunks read and written directly (a directory, a memory store), or through zarr's
-    sharding codec (shards of 8 steps)."""
+    """A directory with the default shards (one shard), a memory store with shards of 8 steps
+    (many shards, 2 chunks each), or a directory with one object per chunk (no shards)."""
     if request.param == "dir":
         return Location(str(tmp_path / "run.zarr"))
-    if request.param == "sharded":
-        return Location(str(tmp_path / "run.zarr"), shard_steps=8)
-    return Location(zarr.storage.MemoryStore())
+    if request.param == "unsharded":
+        return Location(str(tmp_path / "run.zarr"), shard_steps=0)
+    return Location(zarr.storage.MemoryStore(), shard_steps=8)
 
 
 def new_buffer(rows: int = ROWS, max_length: int = MAX_LENGTH) -> eb.TrajectoryBuffer:
@@ -355,6 +355,30 @@ def test_plain_zarr_layout_readable_by_zarr_and_xarray(tmp_path):
     assert meta["committed"]["length"] == 10
 
 
+def test_shards_are_zarr_shards_both_ways(tmp_path):
+    """Shards written here (a shard rewritten by a second write, chunks partly filled) read
+    right with zarr; and shards zarr writes itself read right here."""
+    path = str(tmp_path / "run.zarr")
+    buffer = new_buffer()
+    with Archive(path, buffer, progress=False, chunk_steps=4, shard_steps=8) as archive:
+        for n in (10, 7, 9):
+            buffer = add(buffer, n)
+            archive.write(buffer)
+        want = expected(0, 26)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            obs: Any = zarr.open_array(path, path="obs", mode="r+")
+            np.testing.assert_array_equal(obs[:], want["obs"])
+            obs[:, 3:21] = want["obs"][:, 3:21] + 1  # zarr rewrites shards 0 to 2 itself
+        want["obs"][:, 3:21] += 1
+        assert_tree_equal(Archive(path, mode="r").read(), want)
+        assert_tree_equal(archive.read(), want)
+        s = Archive(path, mode="r").sample(0, 64, sequence_length=5)
+        for i in range(64):
+            r, a = s.rows[i], s.starts[i]
+            np.testing.assert_array_equal(s.experience["obs"][i], want["obs"][r, a : a + 5])
+
+
 def test_zip_is_read_only(tmp_path):
     path = tmp_path / "run.zarr"
     with Archive(str(path), new_buffer(), progress=False, chunk_steps=4) as archive:
@@ -386,7 +410,8 @@ def test_compression_and_chunk_options(tmp_path):
     assert ratios["zstd"] > 10 and ratios["lz4"] > 2 and ratios["none"] < 1.1
     default = Archive(str(tmp_path / "default"), big)
     default.close()
-    assert default.shard_steps is None and default.chunk_steps >= 16
+    assert default.shard_steps is not None and default.chunk_steps >= 16
+    assert default.shard_steps % default.chunk_steps == 0
     assert default.block_steps % default.chunk_steps == 0
     with pytest.raises(ValueError, match="shard_steps=6 must be a multiple of chunk_steps=4"):
         Archive(str(tmp_path / "bad"), big, chunk_steps=4, shard_steps=6)

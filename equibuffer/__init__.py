@@ -31,6 +31,7 @@ from ._cluster import ClusteredBuffer as ClusteredBuffer, ClusteredSample as Clu
 from ._mixer import MixedSample as MixedSample, Mixer as Mixer
 from ._nstep import n_step_transition as n_step_transition, NStepTransition as NStepTransition
 from ._ring import RingStorage as RingStorage
+from ._sharding import shard_rows as shard_rows
 from ._sumtree import SumTree as SumTree
 
 

@@ -1,0 +1,123 @@
+"""Buffers split over devices along their rows (`shard_rows`): the same results as on one
+device, the placement kept by donated jitted steps, and no gather of the stored data.
+
+Run in a subprocess with two host CPU devices (the test process has one)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType
+
+import equibuffer as eb
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, re
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import equinox as eqx, jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import AxisType, PartitionSpec as P
+    import equibuffer as eb
+
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    assert jax.device_count() == 2
+    mesh = jax.make_mesh((2,), ("envs",), axis_types=(AxisType.Auto,))
+    rows = 4
+    example = {"obs": jnp.zeros(3), "done": jnp.bool_(False)}
+
+    def batch(i):
+        obs = jnp.arange(rows * 5 * 3, dtype=jnp.float32).reshape(rows, 5, 3) + 100 * i
+        done = (jnp.arange(rows * 5).reshape(rows, 5) + i) % 7 == 0
+        return {"obs": obs, "done": done}
+
+    def learn(buffer, key):
+        if isinstance(buffer, eb.AbstractPrioritisedBuffer):
+            sample = buffer.sample(key, 8, beta=0.5)
+            buffer = buffer.set_priorities(sample, sample.weights + 1.0)
+            return buffer, sample
+        return buffer, buffer.sample(key, 8)
+
+    @eqx.filter_jit(donate="all-except-first")
+    def step(key, buffer, batch):
+        buffer = buffer.add(batch)
+        return learn(buffer, key)
+
+    builders = {
+        "trajectory": lambda: eb.TrajectoryBuffer(
+            example, add_batch_size=rows, max_length=12, sequence_length=4),
+        "prioritised": lambda: eb.PrioritisedTrajectoryBuffer(
+            example, add_batch_size=rows, max_length=12, sequence_length=3),
+        "episodes": lambda: eb.EpisodeTrajectoryBuffer(
+            example, add_batch_size=rows, max_length=12, sequence_length=3, mode="pad"),
+    }
+    GATHERED = r"= \\w+\\[([\\d,]*)\\]\\S* all-gather\\("
+    assert re.findall(GATHERED, "%a = f32[28,1]{1,0} all-gather(%b), x") == ["28,1"]
+    for name, build in builders.items():
+        one, split = build(), eb.shard_rows(build(), mesh, "envs")
+        assert split.storage.data["obs"].sharding.spec == P("envs"), name
+        for i in range(4):  # wraps the ring of 12 steps
+            key = jax.random.key(i)
+            one, s1 = step(key, one, batch(i))
+            b = jax.device_put(batch(i), jax.sharding.NamedSharding(mesh, P("envs")))
+            split, s2 = step(key, split, b)
+            for x, y in zip(jax.tree.leaves((one, s1)), jax.tree.leaves((split, s2))):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+            for leaf in jax.tree.leaves(split.storage.data):
+                assert leaf.sharding.spec == P("envs"), (name, leaf.sharding)
+                assert leaf.addressable_shards[0].data.shape[0] == rows // 2, name
+        # The stored data is never gathered across devices: only the sample (and, for the
+        # episode buffer, the few window flags an add refreshes) is combined.
+        arrays, static = eqx.partition(split, eqx.is_array)
+
+        def raw(key, arrays, batch):
+            buffer, sample = learn(eqx.combine(arrays, static).add(batch), key)
+            return eqx.partition(buffer, eqx.is_array)[0], sample
+
+        hlo = jax.jit(raw).lower(jax.random.key(0), arrays, batch(0)).compile().as_text()
+        shapes = re.findall(GATHERED, hlo)
+        sizes = [int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes]
+        stored = split.storage.data["obs"].size
+        assert all(n < stored // 2 for n in sizes), (name, shapes)
+        print(name, "ok")
+    """
+)
+
+
+def test_sharded_buffers_match_one_device():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [*("trajectory", "ok", "prioritised", "ok", "episodes", "ok")]
+
+
+def _buffer(rows: int) -> eb.TrajectoryBuffer:
+    return eb.TrajectoryBuffer(
+        {"obs": jnp.zeros(3)}, add_batch_size=rows, max_length=8, sequence_length=2
+    )
+
+
+def test_shard_rows_errors():
+    auto = jax.make_mesh((1,), ("envs",), axis_types=(AxisType.Auto,))
+    with pytest.raises(ValueError, match=r"no axis 'rows'; its axes are \('envs',\)"):
+        eb.shard_rows(_buffer(2), auto, "rows")
+    explicit = jax.make_mesh((1,), ("envs",), axis_types=(AxisType.Explicit,))
+    with pytest.raises(
+        ValueError, match=r"is of type .*Explicit; the buffers need `AxisType.Auto`"
+    ):
+        eb.shard_rows(_buffer(2), explicit, "envs")
+
+
+def test_shard_rows_on_one_device_keeps_values():
+    mesh = jax.make_mesh((1,), ("envs",), axis_types=(AxisType.Auto,))
+    buffer = _buffer(3).add({"obs": jnp.ones((3, 5, 3))})
+    placed = eb.shard_rows({"buffer": buffer, "step": jnp.int32(7)}, mesh, "envs")
+    assert int(placed["step"]) == 7
+    assert (placed["buffer"].storage.data["obs"] == buffer.storage.data["obs"]).all()
+    assert int(placed["buffer"].storage.fill) == 5

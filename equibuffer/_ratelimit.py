@@ -67,11 +67,15 @@ class RateLimited(eqx.Module):
     - **Learning.** `can_sample(B)` is `buffer.can_sample() & (credit - B >= -tolerance)`: the
         sample would not put the learner more than `tolerance` windows ahead.
 
-    A loop that acts when `can_add()` and learns when `can_sample()` keeps `credit` between
-    `-tolerance - B` and `tolerance + spi * add_batch_size * T`, so after the warm-up
-    `windows sampled = samples_per_insert * steps inserted` up to that margin: the achieved
-    ratio tends to `samples_per_insert`. (For a [`equibuffer.TrajectoryBuffer`][] each window
-    holds `sequence_length` steps, so each step is seen in about `samples_per_insert *
+    A loop that acts only when `can_add(T)` and learns only when `can_sample(B)` keeps
+    `-tolerance <= credit <= tolerance`: a sample leaves `credit >= -tolerance` and a counted
+    add `credit <= tolerance`. The one exception is an add made while the buffer could not be
+    sampled (the add that ends the warm-up, or one made while a buffer's `can_sample()` is
+    false again, as with `period > max_length - sequence_length + 1`), which may leave up to
+    `tolerance + spi * add_batch_size * T`. So after the warm-up `windows sampled =
+    samples_per_insert * steps inserted` up to `tolerance` (plus that one add): the achieved
+    ratio tends to `samples_per_insert`. (For a [`equibuffer.TrajectoryBuffer`][] each
+    window holds `sequence_length` steps, so each step is seen in about `samples_per_insert *
     sequence_length` windows.)
 
     **Deadlock.** Both predicates are false when `tolerance - spi * add_batch_size * T < credit

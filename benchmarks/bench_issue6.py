@@ -1,11 +1,13 @@
-"""Benchmark of the queue, n-step transitions and the mixer, side by side with their peers in
-the same run (ratios, never a pass/fail):
+"""Benchmark of the queue, n-step transitions, episode-aware sampling and the mixer, side by
+side with their peers in the same run (ratios, never a pass/fail):
 
 - `Queue` add and sample (a PPO-style rollout of `T` steps per row) against Flashbax's
   `make_trajectory_queue` on the same configuration: ratio `Flashbax / equibuffer` (> 1:
   equibuffer faster). Goal: >= 1.
 - `TransitionBuffer(n_step=3)` sample against the plain `TransitionBuffer` sample on the same
   data: ratio `n-step / plain`. Goal: <= 1.3.
+- `EpisodeTrajectoryBuffer` sample (never_cross and pad) against the plain `TrajectoryBuffer`
+  sample of the same data: ratio `episode / plain`. Goal: <= 1.2.
 - `Mixer` sample (uniform + uniform + prioritised sources) against the sum of its sources'
   own samples of the same row counts: ratio `mixer / sum`. Goal: <= 1.1.
 
@@ -215,6 +217,60 @@ def bench_n_step(
     ]
 
 
+# --------------------------------------------------------------------------- episodes
+
+
+def bench_episodes(
+    rows: int, capacity: int, obs: int, seq: int, batch_size: int, k: int, repeat: int
+) -> list[dict[str, Any]]:
+    """Episode-aware sample (both modes) against the plain trajectory sample of the same data:
+    episodes of random lengths (1 to 200 steps, mean ~100) end anywhere in the ring."""
+    example = {"obs": jnp.zeros(obs, jnp.float32), "done": jnp.bool_(False)}
+    length = capacity // rows
+    data = {
+        "obs": jax.random.normal(jax.random.key(1), (rows, length, obs), jnp.float32),
+        "done": jax.random.uniform(jax.random.key(2), (rows, length)) < 0.01,
+    }
+    keys = jax.random.split(jax.random.key(0), k)
+
+    @eqx.filter_jit
+    def run(buffer, keys):
+        def body(acc, key):
+            sample = buffer.sample(key, batch_size)
+            extra = getattr(sample, "mask", None)
+            return acc + _materialise((sample.experience, extra)), None
+
+        return jax.lax.scan(body, jnp.float32(0), keys)[0]
+
+    out = []
+    for mode in ("never_cross", "pad"):
+        episodes = eb.EpisodeTrajectoryBuffer(
+            example, add_batch_size=rows, max_length=length, sequence_length=seq, mode=mode
+        ).add(data)
+        plain = eqx.tree_at(
+            lambda b: b.storage,
+            eb.TrajectoryBuffer(
+                example, add_batch_size=rows, max_length=length, sequence_length=seq
+            ),
+            episodes.storage,
+        )
+        # Interleaved, best of two rounds, so that machine noise hits both sides alike.
+        a, b = float("inf"), float("inf")
+        for _ in range(2):
+            a = min(a, _per_op(functools.partial(run, plain, keys), k, repeat))
+            b = min(b, _per_op(functools.partial(run, episodes, keys), k, repeat))
+        out.append(
+            {
+                "sample": f"{batch_size} windows of {seq}, mode={mode}",
+                "valid windows": f"{episodes.num_valid_windows()} / {plain.num_windows()}",
+                "plain": fmt_time(a),
+                "episode-aware": fmt_time(b),
+                "episode / plain": f"{b / a:.2f}",
+            }
+        )
+    return out
+
+
 # --------------------------------------------------------------------------- mixer
 
 
@@ -279,6 +335,8 @@ def main() -> None:
     capacity = 20_000 if args.quick else 100_000
     print(f"\nn-step sample: capacity {capacity}")
     print(table(bench_n_step(16, capacity, obs, 3, 256, k, repeat)))
+    print(f"\nEpisode-aware sample: capacity {capacity}, obs {obs} floats")
+    print(table(bench_episodes(16, capacity, obs, 8, 256, k, repeat)))
     print(f"\nMixer sample: three sources of capacity {capacity}")
     print(table(bench_mixer(16, capacity, obs, 256, k, repeat)))
 

@@ -3,8 +3,9 @@
 Layout (plain zarr v3, readable by any zarr tool or xarray):
 
 - one array per leaf of the experience tree, shaped `(rows, time, *leaf)`, chunked
-  `(1, chunk_steps, *leaf)` (by default one object per chunk; optionally inside shards
-  `(rows, shard_steps, *leaf)`), with `dimension_names` `("row", "time", ...)`;
+  `(1, chunk_steps, *leaf)` inside shards `(rows, shard_steps, *leaf)` (zarr's sharding codec:
+  one object per shard holding its chunks and an index of them; or, with `shard_steps=0`,
+  one object per chunk), with `dimension_names` `("row", "time", ...)`;
 - the root group's attribute `"equibuffer"`: the format version, the schema (leaf paths, shapes,
   dtypes) and the *committed* state (how many time steps are visible, and which steps of the
   source buffer they are). It is rewritten only after every chunk it covers has been written,
@@ -15,10 +16,13 @@ Layout (plain zarr v3, readable by any zarr tool or xarray):
 Every key is replaced atomically (a local directory writes a temporary file and renames it;
 an object store replaces whole objects), which is what makes the ordering above crash-safe.
 
-Speed: unsharded archives (the default) are read and written by this module directly, chunk by
-chunk (the same bytes zarr writes: the `bytes` codec, then zstd or blosc), with the chunks of a
-call encoded, decoded and moved concurrently on a thread pool; zarr's per-chunk machinery is
-only used for sharded archives (`shard_steps=`).
+Speed: this module reads and writes the chunks and shards itself, the same bytes zarr's codecs
+write (`bytes`, then zstd or blosc, in zarr's shard format), on a thread pool: the codecs and
+file I/O release the GIL. A long write or read moves whole shards (few, large objects: the
+per-object cost of creating files dominated with one object per ~100 KiB chunk); random
+windows read a shard's index and only the chunks they touch. The codecs are taken from each
+array's zarr metadata, so archives written with other codecs or with the earlier default of
+one object per chunk read the same way.
 """
 
 import asyncio
@@ -646,6 +650,16 @@ class Archive:
     killed at any moment leaves the last committed state readable and writable); one writer
     at a time (a second one gets `ArchiveLockedError`), any number of readers, each reading a
     committed snapshot (`refresh()` moves it forward); committed steps are never rewritten.
+
+    Durability: by default "crash" means the writing *process* dying (SIGKILL, an exception,
+    out of memory): everything it wrote went to the operating system, which keeps it, and
+    the archive opens at its last commit (tested by killing writers at random moments). A
+    power loss or OS crash can lose what the page cache had not yet flushed, in any order:
+    the commit may then cover chunks that never reached the disk. `fsync=True` (local
+    directories) closes that gap: every object is flushed before it is renamed into place,
+    then its directory and the arrays' metadata, and only then the commit, itself flushed
+    (the cost is measured in `benchmarks/README.md`). Object stores make a PUT durable when
+    it returns, so there the ordering alone suffices.
 
     This is host-side I/O: call it outside `jit`.
 

@@ -75,7 +75,8 @@ def serve() -> None:
                 fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 os.dup2(fd, 1)
                 sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
-                run(store, json.loads(options) if options else None, int(shard_steps or 0) or None)
+                shards = int(shard_steps) if shard_steps else None  # "": the default
+                run(store, json.loads(options) if options else None, shards)
             except BaseException:
                 traceback.print_exc()
             finally:

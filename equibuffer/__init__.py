@@ -30,6 +30,7 @@ from ._buffers._transition import TransitionBuffer as TransitionBuffer
 from ._cluster import ClusteredBuffer as ClusteredBuffer, ClusteredSample as ClusteredSample
 from ._mixer import MixedSample as MixedSample, Mixer as Mixer
 from ._nstep import n_step_transition as n_step_transition, NStepTransition as NStepTransition
+from ._ratelimit import RateLimited as RateLimited
 from ._ring import RingStorage as RingStorage
 from ._sharding import shard_rows as shard_rows
 from ._sumtree import SumTree as SumTree

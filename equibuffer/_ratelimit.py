@@ -105,10 +105,9 @@ class RateLimited(eqx.Module):
 
         ```python
         import equibuffer as eb, jax, jax.numpy as jnp
-        from equibuffer._ratelimit import RateLimited
 
         buffer = eb.ItemBuffer({"x": jnp.zeros(2)}, add_batch_size=4, capacity=64)
-        limited = RateLimited(buffer, samples_per_insert=2.0, tolerance=8.0)
+        limited = eb.RateLimited(buffer, samples_per_insert=2.0, tolerance=8.0)
         assert bool(limited.can_add()) and not bool(limited.can_sample(8))
         limited = limited.add({"x": jnp.ones((4, 2))})      # credit 2 * 4 = 8
         assert float(limited.credit()) == 8.0
@@ -170,10 +169,9 @@ class RateLimited(eqx.Module):
 
             ```python
             import equibuffer as eb, jax.numpy as jnp
-            from equibuffer._ratelimit import RateLimited
 
             buffer = eb.ItemBuffer({"x": jnp.zeros(())}, add_batch_size=8, capacity=64)
-            limited = RateLimited(buffer, samples_per_insert=4.0, tolerance=100.0)
+            limited = eb.RateLimited(buffer, samples_per_insert=4.0, tolerance=100.0)
             assert limited.min_tolerance(batch_size=32) == (32 + 4 * 8) / 2
             ```
         """
@@ -299,11 +297,10 @@ class RateLimited(eqx.Module):
 
             ```python
             import equibuffer as eb, equinox as eqx, jax, jax.numpy as jnp
-            from equibuffer._ratelimit import RateLimited
 
             buffer = eb.PrioritisedItemBuffer({"x": jnp.zeros(())}, add_batch_size=2,
                                               capacity=16)
-            limited = RateLimited(buffer, samples_per_insert=1.0, tolerance=4.0)
+            limited = eb.RateLimited(buffer, samples_per_insert=1.0, tolerance=4.0)
 
             @eqx.filter_jit
             def step(limited, key):

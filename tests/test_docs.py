@@ -1,4 +1,5 @@
-"""The README quickstart and every docstring `!!! example` run exactly as written."""
+"""The README quickstart, every python block of the pages in `docs/`, and every docstring
+`!!! example` run exactly as written."""
 
 import inspect
 import pathlib
@@ -16,6 +17,14 @@ ROOT = pathlib.Path(__file__).parent.parent
 def _readme_blocks():
     text = (ROOT / "README.md").read_text()
     return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def _docs_blocks():
+    found = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+        found += [pytest.param(b, page.name, id=f"{page.name}-{i}") for i, b in enumerate(blocks)]
+    return found
 
 
 def _docstring_examples():
@@ -44,6 +53,12 @@ def test_readme_python_blocks_run(code, capsys):
     exec(compile(code, "README.md", "exec"), {})
     if "print(float(loss))" in code:
         assert capsys.readouterr().out.strip() == "1.0"
+
+
+@pytest.mark.parametrize(("code", "page"), _docs_blocks())
+def test_docs_python_blocks_run(code, page):
+    """Each block of a page runs on its own (a page's blocks must be self-contained)."""
+    exec(compile(code, f"docs/{page}", "exec"), {})
 
 
 @pytest.mark.parametrize("code", _docstring_examples())

@@ -145,12 +145,20 @@ def _configure(
     min_length: int | None,
     episode_end: Any,
     mode: Any,
+    exact_counts: bool,
 ) -> None:
     """Check the constructor arguments both buffers share and set their fields (called from
     `__init__`): `storage`, `sequence_length`, `period`, `min_length`, `mode`,
-    `episode_end`, `ends` (all false) and `tree` (all zero)."""
+    `episode_end`, `ends` (all false) and `tree` (all zero). `exact_counts`: the leaves
+    count windows (0 or 1), so their float32 sums must stay exact."""
     rows = check_positive_int(where, "add_batch_size", add_batch_size)
     length = resolve_length(where, rows, max_length, capacity, max_size)
+    if exact_counts and rows * length > _MAX_LEAVES:
+        raise ValueError(
+            f"{where}: add_batch_size * max_length = {rows * length} steps is more than "
+            f"{_MAX_LEAVES} (2**24), the largest count of windows drawn exactly uniformly "
+            "(the valid windows are counted in float32). Lower `capacity`/`max_length`."
+        )
     buffer.sequence_length, buffer.period, buffer.min_length = check_window_config(
         where, length, sequence_length, period, min_length
     )
@@ -382,15 +390,8 @@ class EpisodeTrajectoryBuffer(AbstractBuffer):
         where = "EpisodeTrajectoryBuffer()"
         _configure(
             self, where, example, add_batch_size, sequence_length, period, max_length, capacity,
-            max_size, min_length, episode_end, mode,
+            max_size, min_length, episode_end, mode, True,
         )  # fmt: skip
-        if self.tree.capacity > _MAX_LEAVES:
-            raise ValueError(
-                f"{where}: add_batch_size * max_length = {self.tree.capacity} steps is more "
-                f"than {_MAX_LEAVES} (2**24), the largest count of windows drawn exactly "
-                "uniformly (the valid windows are counted in float32). Lower "
-                "`capacity`/`max_length`."
-            )
 
     def add(self, batch: ExperienceBatch) -> "EpisodeTrajectoryBuffer":
         """Append one step `(add_batch_size, *leaf)` or `T` steps
@@ -568,7 +569,7 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
         where = "PrioritisedEpisodeTrajectoryBuffer()"
         _configure(
             self, where, example, add_batch_size, sequence_length, period, max_length, capacity,
-            max_size, min_length, episode_end, mode,
+            max_size, min_length, episode_end, mode, False,
         )  # fmt: skip
         self.alpha = _check_alpha(where, alpha)
         self.valid = jnp.zeros((self.storage.rows, self.storage.length), jnp.bool_)

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -442,6 +443,57 @@ def test_progress_bar_can_be_shown_or_turned_off(tmp_path, capsys, monkeypatch):
         err = capsys.readouterr().err
         assert ("archive write" in err and "archive read" in err) == progress
         assert progress or err == ""
+
+
+@pytest.mark.parametrize("shard_steps", [8, 0], ids=["shards", "unsharded"])
+def test_fsync_round_trip_and_commit_order(tmp_path, monkeypatch, shard_steps):
+    """`fsync=True`: the data round-trips over several writes and a reopen; and in every write
+    each data object it puts is flushed (as its temporary file, before the rename), then the
+    leaves' metadata and the folders, then the commit (the root `zarr.json`), then the root
+    folder, in that order."""
+    calls: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        calls.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    root = os.path.realpath(tmp_path / "run.zarr")
+
+    def plain(path: str) -> str:  # a temporary file's path -> the key it is renamed to
+        return re.sub(r"\.[0-9a-f]{12}\d+\.partial$", "", path)
+
+    buffer = new_buffer()
+    total = 0
+    for _ in range(2):  # the second time reopened
+        archive = Archive(
+            root, buffer, chunk_steps=4, shard_steps=shard_steps, progress=False, fsync=True
+        )
+        for n in (3, 10, 7):
+            buffer = add(buffer, n)
+            calls.clear()
+            archive.write(buffer)
+            old, total = total, total + n
+            cs, ss = 4, shard_steps or 4  # unsharded: one object per chunk of 4 steps
+            keys = [
+                chunks.key(r, s) if not shard_steps else chunks.shard_key(s)
+                for chunks in archive._chunks
+                for s in range(old // ss, -(-total // ss))
+                for r in (range(ROWS) if not shard_steps else [0])
+            ]
+            assert cs == archive.chunk_steps
+            seen = [plain(c) for c in calls]
+            marker = seen.index(os.path.join(root, "zarr.json"))
+            assert seen[-1] == root and marker == len(seen) - 2  # the commit, then its folder
+            for key in keys:  # every data object of this write, flushed before the commit
+                assert os.path.join(root, key) in seen[:marker], key
+            for leaf in ("obs", "flag"):  # the new shapes, and the renames into the folders
+                assert seen.index(os.path.join(root, leaf, "zarr.json")) < marker
+                assert seen.index(os.path.join(root, leaf)) < marker
+        archive.close()
+        assert_tree_equal(Archive(root, mode="r").read(), expected(0, total))
+    assert not list(Path(root).rglob("*.partial"))
 
 
 # ------------------------------------------------------------------------------ crashes

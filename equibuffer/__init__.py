@@ -15,6 +15,8 @@ from ._buffers._base import (
 from ._buffers._episodes import (
     EpisodeSample as EpisodeSample,
     EpisodeTrajectoryBuffer as EpisodeTrajectoryBuffer,
+    PrioritisedEpisodeSample as PrioritisedEpisodeSample,
+    PrioritisedEpisodeTrajectoryBuffer as PrioritisedEpisodeTrajectoryBuffer,
 )
 from ._buffers._item import ItemBuffer as ItemBuffer
 from ._buffers._prioritised import (

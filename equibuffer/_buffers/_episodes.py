@@ -72,10 +72,9 @@ class PrioritisedEpisodeSample(PrioritisedSample):
     !!! example
 
         ```python
-        import jax, jax.numpy as jnp
-        from equibuffer._buffers._episodes import PrioritisedEpisodeTrajectoryBuffer
+        import equibuffer as eb, jax, jax.numpy as jnp
 
-        buffer = PrioritisedEpisodeTrajectoryBuffer(
+        buffer = eb.PrioritisedEpisodeTrajectoryBuffer(
             {"r": jnp.float32(0), "done": jnp.bool_(False)}, add_batch_size=1,
             max_length=8, sequence_length=3, mode="pad")
         done = jnp.array([[False, True, False, False, False]])  # episodes 0-1, 2-
@@ -515,12 +514,11 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
     !!! example
 
         ```python
-        import jax, jax.numpy as jnp
-        from equibuffer._buffers._episodes import PrioritisedEpisodeTrajectoryBuffer
+        import equibuffer as eb, jax, jax.numpy as jnp
 
         example = {"obs": jnp.zeros(2), "done": jnp.bool_(False)}
-        buffer = PrioritisedEpisodeTrajectoryBuffer(example, add_batch_size=2, max_length=32,
-                                                    sequence_length=4, alpha=0.6)
+        buffer = eb.PrioritisedEpisodeTrajectoryBuffer(example, add_batch_size=2, max_length=32,
+                                                       sequence_length=4, alpha=0.6)
         done = jnp.zeros((2, 12), bool).at[:, 5].set(True)  # episodes of 6 steps
         buffer = buffer.add({"obs": jnp.ones((2, 12, 2)), "done": done})
         sample = buffer.sample(jax.random.key(0), batch_size=16, beta=0.4)
@@ -655,10 +653,9 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
         !!! example
 
             ```python
-            import jax.numpy as jnp
-            from equibuffer._buffers._episodes import PrioritisedEpisodeTrajectoryBuffer
+            import equibuffer as eb, jax.numpy as jnp
 
-            buffer = PrioritisedEpisodeTrajectoryBuffer(
+            buffer = eb.PrioritisedEpisodeTrajectoryBuffer(
                 {"done": jnp.bool_(False)}, add_batch_size=1, max_length=8, sequence_length=3)
             buffer = buffer.add({"done": jnp.array([[True, False, False, False, False]])})
             assert int(buffer.num_valid_windows()) == 2  # steps 1-3 and 2-4

@@ -27,7 +27,7 @@ import numpy as np
 
 from equibuffer._buffers._prioritised import PrioritisedItemBuffer, PrioritisedTransitionBuffer
 from equibuffer._buffers._transition import TransitionBuffer
-from equibuffer._sumtree import SumTree
+from equibuffer._sumtree import _layout, SumTree
 
 from ._timing import best_time, fmt_time, table
 
@@ -76,12 +76,14 @@ class _Held:
 
 def bench_layouts(capacities: list[int], repeat: int, inner: int = 50) -> list[dict[str, Any]]:
     """Per-batch cost of `inner` batched sets (fresh random indices each) and `inner` samples
-    run inside one `lax.scan`, so that dispatch overhead is amortised."""
+    run inside one `lax.scan`, so that dispatch overhead is amortised; and the cost of one
+    jitted call of each (a set donated), as the buffers' `set_priorities` and `sample` run."""
     rows = []
     for capacity in capacities:
         # (fanout, top): levels of `fanout` children up to a top level of <= `top` nodes,
         # searched densely (prefix sums + binary search); `top >= capacity`: one dense level.
-        layouts = [(2, 2), (8, 8), (8, 512), (16, 2048), (32, 4096), (16, 2**14)]
+        layouts = [(2, 2), (8, 8), (16, 16), (16, 256), (8, 512), (16, 2048), (32, 1024)]
+        layouts += [(16, 2**14)]
         values = jax.random.uniform(jax.random.key(0), (capacity,))
         for fanout, top in layouts:
             name = f"{fanout}-ary, top <= {top}"
@@ -106,13 +108,21 @@ def bench_layouts(capacities: list[int], repeat: int, inner: int = 50) -> list[d
             set_, sample = held.update(sets), held.read(samples)
             t_set = best_time(lambda: set_(key), repeat=repeat) / inner  # noqa: B023
             t_sample = best_time(lambda: sample(key), repeat=repeat) / inner  # noqa: B023
+            i = jax.random.randint(key, (BATCH,), 0, capacity)
+            v = jax.random.uniform(key, (BATCH,))
+            set_one = held.update(lambda t, i, v: t.set(i, v))
+            sample_one = held.read(lambda t, k: t.sample(k, BATCH))
+            t_set_one = best_time(lambda: set_one(i, v), repeat=repeat * 5)  # noqa: B023
+            t_sample_one = best_time(lambda: sample_one(key), repeat=repeat * 5)  # noqa: B023
             rows.append(
                 {
                     "capacity": f"{capacity:.0e}",
                     "layout": name,
-                    "levels": len(tree.levels),
-                    "set 256": fmt_time(t_set),
-                    "sample 256": fmt_time(t_sample),
+                    "levels": len(_layout(capacity, fanout, top)[0]),
+                    "set 256, in scan": fmt_time(t_set),
+                    "sample 256, in scan": fmt_time(t_sample),
+                    "set 256, one call": fmt_time(t_set_one),
+                    "sample 256, one call": fmt_time(t_sample_one),
                 }
             )
     return rows

@@ -22,8 +22,9 @@ Run: `python -m benchmarks.bench_issue6 [--quick]`.
 
 import argparse
 import functools
+import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -93,11 +94,9 @@ def bench_queue(rows: int, t: int, obs: int, k: int, repeat: int) -> list[dict[s
 
         return jax.lax.scan(body, q, None, length=k)[0]
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=0)
     def fb_add(state, batch):
         return jax.lax.scan(lambda s, _: (fb.add(s, batch), None), state, None, length=k)[0]
-
-    fb_add = jax.jit(fb_add.__wrapped__, donate_argnums=0)
 
     # sample: k samples of T steps per row, each forced into memory.
     @jax.jit
@@ -126,7 +125,7 @@ def bench_queue(rows: int, t: int, obs: int, k: int, repeat: int) -> list[dict[s
 
         return jax.lax.scan(body, (q, jnp.float32(0)), None, length=k)[0]
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=0)
     def fb_cycle(state, batch):
         def body(carry, _):
             st, acc = carry
@@ -134,8 +133,6 @@ def bench_queue(rows: int, t: int, obs: int, k: int, repeat: int) -> list[dict[s
             return (st, acc + _materialise(s.experience)), None
 
         return jax.lax.scan(body, (state, jnp.float32(0)), None, length=k)[0]
-
-    fb_cycle = jax.jit(fb_cycle.__wrapped__, donate_argnums=0)
 
     box = {"ours": ours, "fb": fb_state}
 
@@ -221,14 +218,15 @@ def bench_n_step(
 
 
 def bench_episodes(
-    rows: int, capacity: int, obs: int, seq: int, batch_size: int, k: int, repeat: int
+    rows: int, capacity: int, obs: tuple[int, ...], seq: int, batch_size: int, k: int, repeat: int
 ) -> list[dict[str, Any]]:
-    """Episode-aware sample (both modes) against the plain trajectory sample of the same data:
-    episodes of random lengths (1 to 200 steps, mean ~100) end anywhere in the ring."""
+    """Episode-aware sample (both modes, uniform and prioritised) against the plain trajectory
+    sample (uniform, prioritised) of the same data: episodes of random lengths (geometric, mean
+    100 steps) end anywhere in the ring."""
     example = {"obs": jnp.zeros(obs, jnp.float32), "done": jnp.bool_(False)}
     length = capacity // rows
     data = {
-        "obs": jax.random.normal(jax.random.key(1), (rows, length, obs), jnp.float32),
+        "obs": jax.random.normal(jax.random.key(1), (rows, length, *obs), jnp.float32),
         "done": jax.random.uniform(jax.random.key(2), (rows, length)) < 0.01,
     }
     keys = jax.random.split(jax.random.key(0), k)
@@ -236,38 +234,48 @@ def bench_episodes(
     @eqx.filter_jit
     def run(buffer, keys):
         def body(acc, key):
-            sample = buffer.sample(key, batch_size)
+            prioritised = isinstance(buffer, eb.AbstractPrioritisedBuffer)
+            sample = buffer.sample(key, batch_size, **({"beta": 0.4} if prioritised else {}))
             extra = getattr(sample, "mask", None)
             return acc + _materialise((sample.experience, extra)), None
 
         return jax.lax.scan(body, jnp.float32(0), keys)[0]
 
     out = []
-    for mode in ("never_cross", "pad"):
-        episodes = eb.EpisodeTrajectoryBuffer(
-            example, add_batch_size=rows, max_length=length, sequence_length=seq, mode=mode
-        ).add(data)
-        plain = eqx.tree_at(
-            lambda b: b.storage,
-            eb.TrajectoryBuffer(
+    modes: tuple[Literal["never_cross", "pad"], ...] = ("never_cross", "pad")
+    for mode, prioritised in itertools.product(modes, (False, True)):
+        if prioritised:
+            episodes = eb.PrioritisedEpisodeTrajectoryBuffer(
+                example, add_batch_size=rows, max_length=length, sequence_length=seq, mode=mode
+            )
+            plain = eb.PrioritisedTrajectoryBuffer(
                 example, add_batch_size=rows, max_length=length, sequence_length=seq
-            ),
-            episodes.storage,
-        )
+            )
+        else:
+            episodes = eb.EpisodeTrajectoryBuffer(
+                example, add_batch_size=rows, max_length=length, sequence_length=seq, mode=mode
+            )
+            plain = eb.TrajectoryBuffer(
+                example, add_batch_size=rows, max_length=length, sequence_length=seq
+            )
+        plain = plain.add(data)
+        episodes = episodes.add(data)
         # Interleaved, best of two rounds, so that machine noise hits both sides alike.
         a, b = float("inf"), float("inf")
         for _ in range(2):
             a = min(a, _per_op(functools.partial(run, plain, keys), k, repeat))
             b = min(b, _per_op(functools.partial(run, episodes, keys), k, repeat))
+        kind = "prioritised" if prioritised else "uniform"
         out.append(
             {
-                "sample": f"{batch_size} windows of {seq}, mode={mode}",
+                "sample": f"{batch_size} windows of {seq}, {kind}, mode={mode}",
                 "valid windows": f"{episodes.num_valid_windows()} / {plain.num_windows()}",
                 "plain": fmt_time(a),
                 "episode-aware": fmt_time(b),
                 "episode / plain": f"{b / a:.2f}",
             }
         )
+        del episodes, plain
     return out
 
 
@@ -335,8 +343,11 @@ def main() -> None:
     capacity = 20_000 if args.quick else 100_000
     print(f"\nn-step sample: capacity {capacity}")
     print(table(bench_n_step(16, capacity, obs, 3, 256, k, repeat)))
-    print(f"\nEpisode-aware sample: capacity {capacity}, obs {obs} floats")
-    print(table(bench_episodes(16, capacity, obs, 8, 256, k, repeat)))
+    shape = (16, 16, 3) if args.quick else (32, 32, 3)
+    print(f"\nEpisode-aware sample: capacity {capacity}, obs {shape} float32")
+    print(table(bench_episodes(16, capacity, shape, 8, 256, k, repeat)))
+    print(f"\nEpisode-aware sample: capacity {capacity}, obs (4,) float32 (tiny steps)")
+    print(table(bench_episodes(16, capacity, (4,), 8, 256, k, repeat)))
     print(f"\nMixer sample: three sources of capacity {capacity}")
     print(table(bench_mixer(16, capacity, obs, 256, k, repeat)))
 

@@ -15,17 +15,23 @@ figure and for both libraries alike. Timings are noisy on a shared machine; comp
 """
 
 import argparse
+import concurrent.futures
+import contextlib
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 import zarr
+import zarr.codecs
 
 import equibuffer as eb
-from equibuffer._archive import Archive, Compression
+from equibuffer import _archive
+from equibuffer._archive import Archive, Compression, ring_holding
 
 from ._timing import table
 
@@ -191,6 +197,173 @@ def bench_windows(path: str, batches: int) -> tuple[float, float, int]:
     return batched, one, len(reader)
 
 
+def _write_archive(
+    path: str, obs: np.ndarray, blocks: int, at_a_time: int | None = None, **kwargs: Any
+) -> tuple[float, float, float]:
+    """Write `blocks` rolled copies of `obs` (`(rows, block, *SHAPE)`) to a new archive at
+    `path`, `at_a_time` steps per `write` (default: the whole block); returns `(wall seconds,
+    CPU seconds, compression ratio)` of the writes."""
+    rows, block = obs.shape[:2]
+    step = at_a_time or block
+    example = {"obs": jnp.zeros(SHAPE, obs.dtype)}
+    ring = eb.RingStorage(example, rows=rows, length=block)
+    archive = Archive(path, ring, progress=False, **kwargs)
+    wall = cpu = 0.0
+    total = 0
+    for i in range(blocks):
+        rolled = np.roll(obs, i, axis=1)
+        for a in range(0, block, step):
+            total += step
+            ring = ring_holding(ring, [rolled[:, a : a + step]], total)
+            t0, c0 = time.perf_counter(), time.process_time()
+            archive.write(ring)
+            wall += time.perf_counter() - t0
+            cpu += time.process_time() - c0
+    ratio = archive.compression_ratio()
+    archive.close()
+    return wall, cpu, ratio
+
+
+def _read_all(path: str, payload: int) -> tuple[float, float]:
+    """Read a whole archive (in the parts of `read_parts`); `(wall, CPU)` seconds."""
+    reader = Archive(path, mode="r", progress=False)
+    wall = cpu = 0.0
+    for a, b in read_parts(len(reader), payload):
+        t0, c0 = time.perf_counter(), time.process_time()
+        back = reader.read(a, b)
+        wall += time.perf_counter() - t0
+        cpu += time.process_time() - c0
+        del back
+    return wall, cpu
+
+
+@contextlib.contextmanager
+def _threads(count: int | None) -> Iterator[None]:
+    """The archive's I/O pool with `count` threads (None: the default) for the duration."""
+    if count is None:
+        yield
+        return
+    old = _archive._POOL
+    _archive._POOL = concurrent.futures.ThreadPoolExecutor(count)
+    try:
+        yield
+    finally:
+        _archive._POOL.shutdown()
+        _archive._POOL = old
+
+
+@contextlib.contextmanager
+def _zstd_level(level: int | None) -> Iterator[None]:
+    """Archives created meanwhile with `compression="zstd"` use zstd at `level`."""
+    if level is None:
+        yield
+        return
+    old = _archive._codecs
+    _archive._codecs = lambda c: zarr.codecs.ZstdCodec(level=level) if c == "zstd" else old(c)
+    try:
+        yield
+    finally:
+        _archive._codecs = old
+
+
+def read_variants(folder: str, dtype: str, steps: int, block: int, repeats: int) -> list[dict]:
+    """The read rate of the same data under each variant (thread count, codec, shard size),
+    the variants interleaved in each of `repeats` rounds so that the machine's load falls on
+    all alike; also each variant's write rate (one write) and compression ratio."""
+    per_row = steps // ROWS
+    blocks = per_row // block
+    source = frames(ROWS, block, seed=1)
+    obs = source if dtype == "uint8" else (source / 255).astype(np.float32)
+    payload = blocks * block * ROWS * obs[0, 0].nbytes
+    default_ss = _archive._pow2_floor(_archive._SHARD_BYTES / (ROWS * obs[0, 0].nbytes))
+    # (name, zstd level, archive options, threads): None means the default.
+    variants: list[tuple[str, int | None, dict, int | None]] = [
+        ("zstd 1, 16 MiB shards (default)", None, {}, None),
+        ("same, 2 threads", None, {}, 2),
+        ("same, 1 thread", None, {}, 1),
+        ("zstd -1", -1, {}, None),
+        ("zstd -3", -3, {}, None),
+        ("blosc-lz4, byte shuffle", None, {"compression": "lz4"}, None),
+        ("zstd 1, 4 MiB shards", None, {"shard_steps": default_ss // 4}, None),
+        ("zstd 1, 64 MiB shards", None, {"shard_steps": default_ss * 4}, None),
+    ]
+    paths, written = {}, {}
+    for _name, level, options, _ in variants:
+        key = (level, tuple(sorted(options.items())))
+        if key not in paths:
+            paths[key] = os.path.join(folder, f"variant-{len(paths)}.zarr")
+            with _zstd_level(level):
+                written[key] = _write_archive(paths[key], obs, blocks, **options)
+    reads: dict[str, list[tuple[float, float]]] = {name: [] for name, *_ in variants}
+    for _ in range(repeats):
+        for name, level, options, threads in variants:
+            with _threads(threads):
+                reads[name].append(
+                    _read_all(paths[(level, tuple(sorted(options.items())))], payload)
+                )
+    out = []
+    for name, level, options, _ in variants:
+        key = (level, tuple(sorted(options.items())))
+        w_wall, w_cpu, ratio = written[key]
+        walls = sorted(payload / w / 1e6 for w, _ in reads[name])
+        cpus = sorted(payload / c / 1e6 for _, c in reads[name])
+        out.append(
+            {
+                "dtype": dtype,
+                "variant": name,
+                "read MB/s (min/median/max)": "/".join(
+                    f"{x:.0f}" for x in (walls[0], walls[len(walls) // 2], walls[-1])
+                ),
+                "read MB/CPU-s (median)": f"{cpus[len(cpus) // 2]:.0f}",
+                "write MB/s": f"{payload / w_wall / 1e6:.0f}",
+                "write MB/CPU-s": f"{payload / w_cpu / 1e6:.0f}",
+                "ratio": f"{ratio:.2f}",
+            }
+        )
+    for path in paths.values():
+        shutil.rmtree(path)
+    return out
+
+
+def small_writes(folder: str, dtype: str, steps: int, block: int) -> list[dict]:
+    """The cost of writing few steps at a time: each write re-encodes and rewrites the last,
+    partial shard (the committed chunks it holds are copied as stored, a partial chunk is
+    decoded and completed), so its cost grows with the shard, not with the steps written."""
+    source = frames(ROWS, block, seed=1)
+    obs = source if dtype == "uint8" else (source / 255).astype(np.float32)
+    out = []
+    for at_a_time, layout, options in [
+        (1, "16 MiB shards", {}),
+        (16, "16 MiB shards", {}),
+        (256, "16 MiB shards", {}),
+        (block, "16 MiB shards", {}),
+        (1, "no shards", {"shard_steps": 0}),
+        (16, "no shards", {"shard_steps": 0}),
+    ]:
+        # Enough writes to time (at least 1024 steps: whole shards), capped by --steps.
+        count = min(steps // ROWS, max(at_a_time * 64, 1024))
+        blocks = max(1, count // block)
+        part = obs[:, : min(block, count)]
+        path = os.path.join(folder, "small.zarr")
+        wall, cpu, _ = _write_archive(path, part, blocks, at_a_time, **options)
+        shutil.rmtree(path)
+        n = blocks * part.shape[1]
+        payload = n * ROWS * obs[0, 0].nbytes
+        out.append(
+            {
+                "dtype": dtype,
+                "layout": layout,
+                "steps per write": at_a_time,
+                "writes": n // at_a_time,
+                "ms per write": f"{wall / (n // at_a_time) * 1e3:.2f}",
+                "us per step": f"{wall / n * 1e6:.0f}",
+                "MB/s": f"{payload / wall / 1e6:.1f}",
+                "MB/CPU-s": f"{payload / cpu / 1e6:.1f}",
+            }
+        )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -201,12 +374,28 @@ def main() -> None:
     parser.add_argument("--dtypes", default="uint8,float32")
     parser.add_argument("--fsync", action="store_true", help="also zstd with fsync=True")
     parser.add_argument("--no-vault", action="store_true")
+    parser.add_argument(
+        "--variants", action="store_true", help="only the read rate of threads/codecs/shards"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of --variants")
+    parser.add_argument(
+        "--small-writes", action="store_true", help="only the cost of writing 1, 16, 256 steps"
+    )
     args = parser.parse_args()
     steps = args.steps or (2**14 if args.quick else 2**17)
     block = min(args.block, steps // ROWS)
     folder = tempfile.mkdtemp(prefix="bench-archive-", dir=args.dir)
     try:
         print(f"{steps} steps = {ROWS} rows x {steps // ROWS}, obs {SHAPE}, ring {block}/row")
+        if args.variants or args.small_writes:
+            for dtype in args.dtypes.split(","):
+                if args.variants:
+                    print(
+                        table(read_variants(folder, dtype, steps, block, args.repeats)), flush=True
+                    )
+                if args.small_writes:
+                    print(table(small_writes(folder, dtype, steps, block)), flush=True)
+            return
         nbytes = min(steps * int(np.prod(SHAPE)) * 4, 1 << 30)
         dw, dr = disk_bandwidth(folder, nbytes)
         print(

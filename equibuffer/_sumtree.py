@@ -2,8 +2,6 @@
 
 import functools
 import math
-from collections.abc import Callable
-from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
@@ -11,26 +9,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from ._checks import check_positive_int
-from ._custom_types import BoolScalar, IntScalar
 
 
-FloatScalar = Float[Array, ""]
-_C = TypeVar("_C")
-# What an entry of `SumTree._write_loop` gives: leaf, value, keep (None: always), carry.
-_Entry = tuple[Int[ArrayLike, ""], Float[ArrayLike, ""], Bool[ArrayLike, ""] | None, Any]
-
-
-# Picked by measurement (`python -m benchmarks.bench_prioritised`, figures in
-# benchmarks/README.md): fanout 16 keeps the levels few; a top level of at most 256 nodes keeps
-# the root's sum (recomputed on every write) small enough that a jitted add or
-# `set_priorities` stays below XLA's 1000-flop "cheap computation" bound, which PJRT runs
-# inline on the calling thread rather than handing to a worker thread (~50 us saved per call
-# on a loaded 2-core machine; a top of 2048 costs 2000 flops).
+# Picked by measurement (`python -m benchmarks.bench_prioritised`, CPU, batch 256, one jitted
+# call per operation: on a CPU most of the cost of a batch of 256 is the fixed cost of each XLA
+# kernel, one or two per level, so fewer levels win): see `bench_layouts` there.
 _DEFAULT_FANOUT = 16
-_DEFAULT_TOP = 256
-# Batches of at most this many entries are written one after the other (see
-# `SumTree._write_loop`), larger ones level by level for the whole batch at once.
-_SEQUENTIAL_MAX = 1024
+_DEFAULT_TOP = 2048
 
 
 @functools.cache
@@ -54,13 +39,11 @@ class SumTree(eqx.Module):
     internal nodes hold the sums of their children, so that the total is read in O(1) and a
     leaf is drawn with probability proportional to its priority in O(log N).
 
-    Every operation is batched: a batch of `B` updates, reads or draws costs
-    `O(B * fanout * log_fanout(N / top) + top)` work, nothing of size `N`. Reads and draws are
-    vectorised level by level; updates of up to 1024 entries run one entry after the other in
-    a `fori_loop` of dynamic slices (on XLA:CPU much cheaper than a gather and a scatter per
-    level; see `_write_loop`), larger ones level by level for the whole batch. An update
-    recomputes each touched node as the sum of its children (never by adding a difference),
-    so float32 rounding does not build up however many updates are made.
+    Every operation is batched and vectorised: a batch of `B` updates, reads or draws costs
+    `O(B * fanout * log_fanout(N / top) + top)` array work, level by level, with no loop over
+    the batch and nothing of size `N`. An update recomputes each touched node as the sum of its
+    children (never by adding a difference), so float32 rounding does not build up however
+    many updates are made.
 
     Layout: one flat `float32` array `nodes`. Level 0 holds the leaves (padded with zeros to a
     multiple of `fanout`), each level above has one node per `fanout` nodes below, up to the
@@ -73,7 +56,7 @@ class SumTree(eqx.Module):
 
     - `capacity`: the number of leaves, any positive int.
     - `fanout`: children per internal node, at least 2 (default 16).
-    - `top`: the largest level searched densely, at least 1 (default 256).
+    - `top`: the largest level searched densely, at least 1 (default 2048).
 
     The defaults were picked by measurement (see `benchmarks/bench_prioritised.py`). All
     leaves start at zero.
@@ -144,15 +127,13 @@ class SumTree(eqx.Module):
         """Return the tree with leaf `indices[i]` set to `values[i]`, and every node above the
         touched leaves recomputed from its children.
 
-        When an index appears more than once in the batch, **one** of its values is written:
-        the last one for batches of up to 1024 entries (applied in order), unspecified which
-        for larger batches (a scatter, whose order is up to the backend). The tree stays
-        consistent either way, since the nodes above are recomputed from the leaves written.
-        Deduplicate first where a particular one must win.
+        When an index appears more than once in the batch, **one** of its values is written,
+        unspecified which (the scatter's order is up to the backend; on CPU it is the last);
+        the tree stays consistent either way, since the nodes above are recomputed from the
+        leaves written. Deduplicate first where a particular one must win.
 
         Inside jit, `eqx.error_if` raises on an index outside `[0, capacity)` or on a value
-        that is negative, NaN or infinite (one check, folded into the write loop for batches
-        of up to 1024). Values are cast to float32.
+        that is negative, NaN or infinite (one check). Values are cast to float32.
         """
         where = "SumTree.set()"
         indices = self._check_indices(where, indices)
@@ -163,34 +144,17 @@ class SumTree(eqx.Module):
                 f"{indices.shape}; give one value per index."
             )
         new = new.astype(jnp.float32)
-        capacity = self.capacity
-        messages = [
-            _index_message(where, self),
-            f"{where}: every value must be non-negative and finite (a negative, NaN or "
-            "infinite priority was given).",
-        ]
-        if indices.shape[0] > _SEQUENTIAL_MAX:
-            bad_index = _out_of_range(indices, capacity)
-            new = eqx.branched_error_if(
-                new, bad_index | _not_priorities(new), jnp.where(bad_index, 0, 1), messages
-            )
-            return self.write(indices, new)
-
-        def entry(i: IntScalar, flags: tuple[BoolScalar, BoolScalar]) -> _Entry:
-            bad_index, bad_value = flags
-            index, value = indices[i], new[i]
-            bad_index = bad_index | (index < 0) | (index >= capacity)
-            bad_value = bad_value | (value < 0) | ~jnp.isfinite(value)
-            return index, value, None, (bad_index, bad_value)
-
-        false = jnp.array(False)
-        nodes, (bad_index, bad_value) = self._write_loop(indices.shape[0], entry, (false, false))
-
-        def check(root: FloatScalar) -> FloatScalar:
-            bad = bad_index | bad_value
-            return eqx.branched_error_if(root, bad, jnp.where(bad_index, 0, 1), messages)
-
-        return self._with_nodes(nodes, check)
+        new = eqx.branched_error_if(
+            new,
+            _out_of_range(indices, self.capacity) | _not_priorities(new),
+            jnp.where(_out_of_range(indices, self.capacity), 0, 1),
+            [
+                _index_message(where, self),
+                f"{where}: every value must be non-negative and finite (a negative, NaN or "
+                "infinite priority was given).",
+            ],
+        )
+        return self.write(indices, new)
 
     def write(
         self,
@@ -202,82 +166,10 @@ class SumTree(eqx.Module):
         """Unchecked batched write (indices in `[0, capacity)`, values non-negative and finite),
         for the buffers. Entries where `mask` is false are skipped. Duplicates: as for `set`.
         """
-        indices = indices.astype(jnp.int32)
-        if indices.shape[0] > _SEQUENTIAL_MAX:
-            return self._with_nodes(self._write_vectorised(indices, values, mask))
-
-        def entry(i: IntScalar, carry: None) -> _Entry:
-            return indices[i], values[i], None if mask is None else mask[i], carry
-
-        nodes, _ = self._write_loop(indices.shape[0], entry, None)
-        return self._with_nodes(nodes)
-
-    def _write_loop(
-        self, count: int, entry: Callable[[IntScalar, _C], _Entry], init: _C
-    ) -> tuple[Float[Array, " nodes"], _C]:
-        """Apply `count` entries one after the other in a `fori_loop`: `entry(i, carry)` gives
-        `(leaf, value, keep, carry)`; the leaf is set to `value` (left as it is where `keep`
-        is false; `keep=None` always writes), then its ancestors below the root are
-        recomputed, each from a `dynamic_slice` of its `fanout` children. Returns the nodes
-        (root not yet updated: see `_with_nodes`) and the final carry. Of duplicate leaves,
-        the last entry wins. Leaves outside `[0, capacity)` are clamped by the slices (no
-        write outside the array; the callers check or guarantee the range).
-
-        Why a loop (measured with `benchmarks/bench_prioritised.py`, XLA:CPU): every op in it
-        is a dynamic slice or an in-place dynamic update slice, which XLA never splits across
-        threads, while a gather or scatter on the node array is split in two, a thread
-        hand-off per op that costs tens of us on a loaded machine. About 0.1 us per entry.
-        And XLA's cost model counts a loop body once, so a step whose per-entry work sits in
-        here stays a "cheap" computation that PJRT runs inline on the calling thread instead
-        of handing it to a worker thread (another hand-off). The carry lets a caller fold
-        its per-entry checks and reductions into the same loop.
-        """
-        k = self.fanout
-        sizes, offsets = _layout(self.capacity, self.fanout, self.top)
-
-        def body(i: IntScalar, state: tuple[Float[Array, " nodes"], _C]) -> Any:
-            nodes, carry = state
-            leaf, value, keep, carry = entry(i, carry)
-            leaf = jnp.asarray(leaf, jnp.int32)
-            value = jnp.asarray(value, jnp.float32)
-            if keep is not None:
-                value = jnp.where(keep, value, jax.lax.dynamic_slice(nodes, (leaf,), (1,))[0])
-            nodes = jax.lax.dynamic_update_slice(nodes, value[None], (leaf,))
-            node = leaf
-            for level in range(1, len(sizes) - 1):
-                node = node // k
-                children = jax.lax.dynamic_slice(nodes, (offsets[level - 1] + node * k,), (k,))
-                total = jnp.sum(children)[None]
-                nodes = jax.lax.dynamic_update_slice(nodes, total, (offsets[level] + node,))
-            return nodes, carry
-
-        return jax.lax.fori_loop(0, count, body, (self.nodes, init))
-
-    def _with_nodes(
-        self,
-        nodes: Float[Array, " nodes"],
-        check: Callable[[FloatScalar], FloatScalar] | None = None,
-    ) -> "SumTree":
-        """The tree with `nodes`, the root recomputed as the sum of the top level (passed
-        through `check` first, which is where `set` raises: the root flows to the output)."""
-        _, offsets = _layout(self.capacity, self.fanout, self.top)
-        root = jnp.sum(nodes[offsets[-3] : offsets[-2]])
-        if check is not None:
-            root = check(root)
-        return eqx.tree_at(lambda t: t.nodes, self, nodes.at[-1].set(root))
-
-    def _write_vectorised(
-        self,
-        indices: Int[Array, " batch"],
-        values: Float[Array, " batch"],
-        mask: Bool[Array, " batch"] | None,
-    ) -> Float[Array, " nodes"]:
-        """The whole batch at once: one scatter of the leaves, then per level a gather of the
-        touched nodes' children and a scatter of their sums (or one dense pass over a level
-        when the batch touches about every group). For large batches."""
         k = self.fanout
         sizes, offsets = _layout(self.capacity, self.fanout, self.top)
         nodes = self.nodes
+        indices = indices.astype(jnp.int32)
         if mask is None:
             nodes = nodes.at[indices].set(values, mode="promise_in_bounds")
         else:
@@ -302,7 +194,8 @@ class SumTree(eqx.Module):
                 nodes = nodes.at[offsets[level] + node].set(
                     children.sum(axis=1), mode="promise_in_bounds"
                 )
-        return nodes
+        top = nodes[offsets[-3] : offsets[-2]]
+        return eqx.tree_at(lambda t: t.nodes, self, nodes.at[-1].set(jnp.sum(top)))
 
     # --------------------------------------------------------------- sampling
 

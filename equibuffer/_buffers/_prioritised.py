@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from .._checks import check_positive_int
-from .._custom_types import ExampleTree, ExperienceBatch, Indices, IntScalar, Steps
+from .._custom_types import ExampleTree, ExperienceBatch, Indices, Steps
 from .._ring import RingStorage
 from .._sumtree import SumTree
 from .._windows import gather, gather_steps, window_layout
@@ -208,9 +208,9 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
 
         The updated buffer. An update is **dropped** when its window is no longer what was
         sampled: its first step was overwritten since (its slot now holds another absolute
-        step) or it is no longer a valid window. When an index appears more than once, the
-        last of its current updates is applied (the same window sampled twice normally gets
-        the same priority). The largest priority given for a
+        step) or it is no longer a valid window. When an index appears more than once, one
+        of its updates is applied, unspecified which (the same window sampled twice normally
+        gets the same priority; deduplicate first if not). The largest priority given for a
         current window (duplicates included) raises the priority at which
         new windows enter.
         """
@@ -248,42 +248,25 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
             raise TypeError(f"{where}: `steps` must be uint32 (`sample.steps`), got {steps.dtype}.")
         new = new.astype(jnp.float32)
         indices = indices.astype(jnp.int32)
-        capacity, alpha = self.tree.capacity, self.alpha
-        first_step = self.storage.count_lo - self.storage.fill.astype(jnp.uint32)
-
-        # Everything per entry (checks, staleness, exponent, max) runs inside the tree's
-        # write loop: one pass, no op over the batch outside it (see `SumTree._write_loop`).
-        def entry(i: IntScalar, carry: tuple[Any, ...]) -> Any:
-            bad_index, bad_value, applied = carry
-            index, priority = indices[i], new[i]
-            bad_index = bad_index | (index < 0) | (index >= capacity)
-            bad_value = bad_value | (priority < 0) | ~jnp.isfinite(priority)
-            offset, valid = self._offsets(index[None])
-            current = valid[0] & (first_step + offset[0].astype(jnp.uint32) == steps[i])
-            applied = jnp.maximum(applied, jnp.where(current, priority, 0.0))
-            value = jnp.where(priority > 0, priority**alpha, 0.0)
-            return index, value, current, (bad_index, bad_value, applied)
-
-        false = jnp.array(False)
-        init = (false, false, jnp.array(0.0, jnp.float32))
-        nodes, (bad_index, bad_value, applied) = self.tree._write_loop(
-            indices.shape[0], entry, init
+        out_of_range = jnp.any((indices < 0) | (indices >= self.tree.capacity))
+        new = eqx.branched_error_if(
+            new,
+            out_of_range | jnp.any((new < 0) | ~jnp.isfinite(new)),
+            jnp.where(out_of_range, 0, 1),
+            [
+                f"{where}: every index must be in [0, add_batch_size * max_length="
+                f"{self.tree.capacity}); pass `sample.indices`.",
+                f"{where}: every priority must be non-negative and finite (a negative, NaN or "
+                "infinite priority was given).",
+            ],
         )
-
-        def check(root: Float[Array, ""]) -> Float[Array, ""]:
-            return eqx.branched_error_if(
-                root,
-                bad_index | bad_value,
-                jnp.where(bad_index, 0, 1),
-                [
-                    f"{where}: every index must be in [0, add_batch_size * max_length="
-                    f"{capacity}); pass `sample.indices`.",
-                    f"{where}: every priority must be non-negative and finite (a negative, "
-                    "NaN or infinite priority was given).",
-                ],
-            )
-
-        tree = self.tree._with_nodes(nodes, check)
+        offset, valid = self._offsets(indices)
+        held_step = self.storage.count_lo - self.storage.fill.astype(jnp.uint32)
+        held_step = held_step + offset.astype(jnp.uint32)
+        current = valid & (held_step == steps)
+        values = jnp.where(new > 0, new**self.alpha, 0.0)
+        tree = self.tree.write(indices, values, mask=current)
+        applied = jnp.max(jnp.where(current, new, 0.0))
         max_priority = jnp.maximum(self.max_priority, applied)
         return eqx.tree_at(lambda b: (b.tree, b.max_priority), self, (tree, max_priority))
 

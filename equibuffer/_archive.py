@@ -657,8 +657,10 @@ class Archive:
     power loss or OS crash can lose what the page cache had not yet flushed, in any order:
     the commit may then cover chunks that never reached the disk. `fsync=True` (local
     directories) closes that gap: every object is flushed before it is renamed into place,
-    then its directory and the arrays' metadata, and only then the commit, itself flushed
-    (the cost is measured in `benchmarks/README.md`). Object stores make a PUT durable when
+    then its directory and the arrays' metadata, and only then the commit, itself flushed.
+    Its cost, measured in `benchmarks/README.md` (2^17 steps of `(32, 32, 3)` frames, 8
+    rows, writes of 2048 steps): 3% of write throughput for uint8, 5% for float32 (one run
+    on a loaded machine; small writes not measured). Object stores make a PUT durable when
     it returns, so there the ordering alone suffices.
 
     Cost of a write: a few small objects per call (the lock checked, each array's shape and
@@ -747,7 +749,8 @@ class Archive:
         - `fsync`: on a local directory, flush every object written to disk (`fsync`)
             before the commit that makes it visible, and the commit itself, so that a
             committed write also survives power loss or an OS crash, not only a killed
-            process (see the class docstring). Costs throughput; off by default.
+            process (see the class docstring). Costs 3 to 5% of write throughput in the
+            measured case (class docstring); off by default.
         - `storage_options`: options for a URL store (e.g. obstore's `endpoint`,
             `access_key_id`, `secret_access_key`, `region`, `client_options`).
         """

@@ -14,9 +14,9 @@ uniform ones and against Flashbax's prioritised and uniform flat buffers, in the
 
 Run: `python -m benchmarks.bench_prioritised [--quick] [--capacity N]`. Never fails on speed.
 
-Figures (two full runs, 2 loaded CPU cores, per round): prioritised/uniform sample 1.27 to
-3.9x (target 1.1), prioritised/uniform add 0.78 to 1.93x (target 1.5), `set_priorities`
-Flashbax/ours 1.03 to 1.25x (target 1.5), sample 1e7/1e5 0.69 to 1.94x (target 1.5). Details
+Figures (full run, 2 loaded CPU cores, per round): prioritised/uniform sample 0.75 to
+1.01x (target 1.1), prioritised/uniform add 2.4 to 3.0x (target 1.5), `set_priorities`
+Flashbax/ours 1.25 to 1.62x (target 1.5), sample 1e7/1e5 1.02 to 2.3x (target 1.5). Details
 and what dominates: benchmarks/README.md, section `bench_prioritised.py`.
 """
 

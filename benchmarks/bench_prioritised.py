@@ -14,10 +14,10 @@ uniform ones and against Flashbax's prioritised and uniform flat buffers, in the
 
 Run: `python -m benchmarks.bench_prioritised [--quick] [--capacity N]`. Never fails on speed.
 
-Figures (full run, 2 loaded CPU cores, per round): prioritised/uniform sample 0.75 to
-1.01x (target 1.1), prioritised/uniform add 2.4 to 3.0x (target 1.5), `set_priorities`
-Flashbax/ours 1.25 to 1.62x (target 1.5), sample 1e7/1e5 1.02 to 2.3x (target 1.5). Details
-and what dominates: benchmarks/README.md, section `bench_prioritised.py`.
+Figures (two full runs on 2 CPU cores, loaded and quiet, per round): prioritised/uniform
+sample 0.75 to 4.0x (target 1.1), prioritised/uniform add 1.65 to 3.0x (target 1.5),
+`set_priorities` Flashbax/ours 0.56 to 1.62x (target 1.5), sample 1e7/1e5 1.0 to 2.3x (target
+1.5): none settled. Details and what dominates: benchmarks/README.md, `bench_prioritised.py`.
 """
 
 import argparse

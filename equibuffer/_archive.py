@@ -40,7 +40,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
@@ -1173,15 +1173,7 @@ class Archive:
             chunks.put(r, c, x)
             return b - a
 
-        with tqdm(
-            total=(new - old) * self.rows * len(self.leaves),
-            unit="step",
-            desc="archive write",
-            disable=not self.progress,
-            delay=self._progress_delay,
-        ) as bar:
-            for done in _pool().map(put, tasks):
-                bar.update(done)
+        self._run_writes(put, tasks, (new - old) * self.rows * len(self.leaves))
 
     def _append_shards(self, host: list[np.ndarray], old: int, new: int) -> None:
         """Sharded: encode the chunks that steps `[old, new)` touch concurrently (one task per
@@ -1245,14 +1237,19 @@ class Archive:
                 shards.put_shard(s, encoded.pop((li, s)))
             return done
 
+        self._run_writes(encode, tasks, (new - old) * self.rows * len(self.leaves))
+
+    def _run_writes(self, work: Callable[[Any], int], tasks: Any, total: int) -> None:
+        """Run `work` over `tasks` on the I/O thread pool, a progress bar counting the steps
+        each returns."""
         with tqdm(
-            total=(new - old) * self.rows * len(self.leaves),
+            total=total,
             unit="step",
             desc="archive write",
             disable=not self.progress,
             delay=self._progress_delay,
         ) as bar:
-            for done in _pool().map(encode, tasks):
+            for done in _pool().map(work, tasks):
                 bar.update(done)
 
     def _commit_state(self, commit: _Commit) -> None:

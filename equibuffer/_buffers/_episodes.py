@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree, Shaped
 
 from .._checks import check_positive_int, keystr
-from .._custom_types import ExampleTree, ExperienceBatch, Indices, IntScalar
+from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, Indices, IntScalar
 from .._ring import RingStorage
 from .._sumtree import SumTree
 from .._windows import gather, window_layout
@@ -265,18 +265,15 @@ def _mask(
     return jnp.cumsum(flags, axis=1) - flags == 0
 
 
-def _windows(
-    storage: RingStorage,
-    ends: Bool[Array, "rows length"],
-    indices: Indices,
-    sequence_length: int,
+def _padded(
+    windows: PyTree[Shaped[Array, "batch sequence ..."]],
+    mask: Bool[Array, "batch sequence"],
     mode: Mode,
 ) -> PyTree[Shaped[Array, "batch sequence ..."]]:
-    """The windows starting at `indices`, zero past the first episode end in `pad` mode."""
-    windows = gather(storage, indices, sequence_length)
+    """The gathered `windows`, zero where `mask` is false (past the first episode end) in
+    `pad` mode; unchanged in `never_cross` mode, where the mask is all true."""
     if mode == "never_cross":
         return windows
-    mask = _mask(storage, ends, indices, sequence_length, mode)
 
     def zero(x: Array) -> Array:
         m = mask.reshape(*mask.shape, *(1,) * (x.ndim - 2))
@@ -484,12 +481,9 @@ class EpisodeTrajectoryBuffer(AbstractBuffer):
         storage, s = self.storage, self.sequence_length
         offset = (indices % storage.length - storage.head + storage.fill) % storage.length
         steps = storage.count_lo - storage.fill.astype(jnp.uint32) + offset.astype(jnp.uint32)
-        return EpisodeSample(
-            experience=_windows(storage, self.ends, indices, s, self.mode),
-            indices=indices,
-            steps=steps,
-            mask=_mask(storage, self.ends, indices, s, self.mode),
-        )
+        mask = _mask(storage, self.ends, indices, s, self.mode)
+        windows = _padded(gather(storage, indices, s), mask, self.mode)
+        return EpisodeSample(experience=windows, indices=indices, steps=steps, mask=mask)
 
 
 class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
@@ -575,7 +569,11 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
         self.max_priority = jnp.array(1.0, jnp.float32)
 
     def _experience(self, indices: Indices) -> Any:
-        return _windows(self.storage, self.ends, indices, self.sequence_length, self.mode)
+        # Zeroed past the episode end by `sample`, which computes the mask once.
+        return gather(self.storage, indices, self.sequence_length)
+
+    def _no_valid_window(self, where: str) -> tuple[BoolScalar, str]:
+        return self.num_valid == 0, _no_window_message(where, self.sequence_length, self.mode)
 
     def add(self, batch: ExperienceBatch) -> "PrioritisedEpisodeTrajectoryBuffer":
         """Append one step `(add_batch_size, *leaf)` or `T` steps
@@ -683,18 +681,10 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
         Raises inside jit (through `eqx.error_if`) when `can_sample()` is false, when it is
         true but no window fits the episode rule, or when every valid window has priority 0.
         """
-        where = f"{type(self).__name__}.sample()"
-        # Checked on the fill count, which the base's checks read: this message comes first.
-        fill = eqx.error_if(
-            self.storage.fill,
-            self.can_sample() & (self.num_valid == 0),
-            _no_window_message(where, self.sequence_length, self.mode),
-        )
-        checked = eqx.tree_at(lambda b: b.storage.fill, self, fill)
-        sample = AbstractPrioritisedBuffer.sample(checked, key, batch_size, beta)
+        sample = AbstractPrioritisedBuffer.sample(self, key, batch_size, beta)
         mask = _mask(self.storage, self.ends, sample.indices, self.sequence_length, self.mode)
         return PrioritisedEpisodeSample(
-            experience=sample.experience,
+            experience=_padded(sample.experience, mask, self.mode),
             indices=sample.indices,
             steps=sample.steps,
             probabilities=sample.probabilities,

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from .._checks import check_positive_int
-from .._custom_types import ExampleTree, ExperienceBatch, Indices, Steps
+from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, Indices, Steps
 from .._ring import RingStorage
 from .._sumtree import SumTree
 from .._windows import gather, gather_steps, window_layout
@@ -153,11 +153,13 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
         # (which would redo the search for every gathered element).
         indices = jax.lax.optimization_barrier(self.tree.sample(key, batch_size))
         total = self.tree.total()
-        # One check (one conditional in the compiled step) for the three ways to fail.
-        failure = jnp.where(~self.can_sample(), 0, jnp.where(total > 0, 2, 1))
+        none_valid, no_window = self._no_valid_window(where)
+        # One check (one conditional in the compiled step) for the four ways to fail.
+        failure = jnp.where(total > 0, 3, jnp.where(none_valid, 2, 1))
+        failure = jnp.where(~self.can_sample(), 0, failure)
         indices = eqx.branched_error_if(
             indices,
-            (failure < 2) | (exponent < 0) | ~jnp.isfinite(exponent),
+            (failure < 3) | (exponent < 0) | ~jnp.isfinite(exponent),
             failure,
             [
                 f"{where}: the buffer cannot be sampled yet: it needs at least "
@@ -167,6 +169,7 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
                 "(`can_sample()` only looks at the counters). Give some windows a positive "
                 "priority with `set_priorities`, or add data (new windows enter at the largest "
                 "priority seen).",
+                no_window,
                 f"{where}: `beta` must be finite and >= 0.",
             ],
         )
@@ -269,6 +272,12 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
         applied = jnp.max(jnp.where(current, new, 0.0))
         max_priority = jnp.maximum(self.max_priority, applied)
         return eqx.tree_at(lambda b: (b.tree, b.max_priority), self, (tree, max_priority))
+
+    def _no_valid_window(self, where: str) -> tuple[BoolScalar, str]:
+        """Whether no window is valid although the counters say the buffer can be sampled, and
+        the message `sample` raises then. Never, for a buffer whose valid windows are a
+        function of the counters; a buffer with a narrower rule (episodes) says when."""
+        return jnp.array(False), f"{where}: no valid window."
 
     def _offsets(self, indices: Indices) -> tuple[Int[Array, " batch"], Bool[Array, " batch"]]:
         """Offset of each window start from the oldest held step of its row, and whether the

@@ -2,25 +2,28 @@
 uniform ones and against Flashbax's prioritised and uniform flat buffers, in the same run.
 
 1. SumTree layouts: a set of 256 random leaves and a stratified sample of 256, for a binary
-   tree, wider fan-outs, and a single dense level (prefix sums + `searchsorted`), at several
-   capacities. This is what `SumTree`'s default layout was picked from.
+   tree, wider fan-outs, and wide top levels searched densely, at several capacities. This is
+   what `SumTree`'s default layout was picked from.
 2. Buffers: `--capacity` steps (default 500,000) of `(32, 32, 3)` float32 (6 GB per buffer;
-   only one buffer alive at a time), transitions, add batch 1, sample batch 256:
-   - prioritised sample / uniform sample (ours and Flashbax's);
+   two alive at a time), transitions, add batch 1, sample batch 256. Each comparison is timed
+   in alternation, both buffers filled and alive, and reported as the median over the pairs
+   (steady on this noisy machine) and as the ratio of the best times:
+   - prioritised sample / uniform sample (ours, then Flashbax's);
    - prioritised add of one step / uniform add of one step, under donation;
    - `set_priorities` of 256: Flashbax time / ours.
-3. Sample cost against capacity: our prioritised item buffer of small items (4 float32) at
-   capacity 10**5 and 10**7: time ratio.
+3. Sample cost against capacity: a bare `SumTree` and our prioritised item buffer of small
+   items (4 float32) at capacity 10**5 and 10**7: time ratio.
 
 Run: `python -m benchmarks.bench_prioritised [--quick] [--capacity N]`. Never fails on speed.
 
-Figures (two full runs on 2 CPU cores, loaded and quiet, per round): prioritised/uniform
-sample 0.75 to 4.0x (target 1.1), prioritised/uniform add 1.65 to 3.0x (target 1.5),
-`set_priorities` Flashbax/ours 0.56 to 1.62x (target 1.5), sample 1e7/1e5 1.0 to 2.3x (target
-1.5): none settled. Details and what dominates: benchmarks/README.md, `bench_prioritised.py`.
+Figures (2 CPU cores, paired medians per round, benchmarks/README.md): prioritised/uniform
+sample 1.23 to 1.27x (target 1.1), prioritised/uniform add 1.50 to 2.36x (target 1.5),
+`set_priorities` Flashbax/ours 0.88 to 0.91x (target 1.5), buffer sample 1e7/1e5 1.37 to
+1.48x (target 1.5). What dominates: benchmarks/README.md.
 """
 
 import argparse
+import functools
 import gc
 from collections.abc import Callable
 from typing import Any
@@ -86,9 +89,9 @@ def bench_layouts(capacities: list[int], repeat: int, inner: int = 50) -> list[d
     rows = []
     for capacity in capacities:
         # (fanout, top): levels of `fanout` children up to a top level of <= `top` nodes,
-        # searched densely (prefix sums + binary search); `top >= capacity`: one dense level.
-        layouts = [(2, 2), (8, 8), (16, 16), (16, 256), (8, 512), (16, 2048), (32, 1024)]
-        layouts += [(16, 2**14)]
+        # searched densely (every query against its prefix sums); `top >= capacity`: one
+        # dense level.
+        layouts = [(2, 2), (4, 4), (8, 8), (16, 16), (32, 32), (8, 256), (16, 2048)]
         values = jax.random.uniform(jax.random.key(0), (capacity,))
         for fanout, top in layouts:
             name = f"{fanout}-ary, top <= {top}"
@@ -182,78 +185,107 @@ def _peer(name: str, capacity: int) -> dict[str, Any]:
     }
 
 
-def bench_buffer(name: str, capacity: int, repeat: int) -> dict[str, float]:
-    """Add of one step (donated), sample of 256 and (prioritised) `set_priorities` of 256
-    (donated), for one buffer filled with `capacity` steps; the buffer is freed after."""
+def _filled(name: str, capacity: int) -> tuple[dict[str, Any], _Held]:
+    """One library's buffer (`name`), filled with `capacity` steps."""
     peer = _peer(name, capacity)
     held = _Held(peer["make"]())
     fill = held.update(peer["fill"])
     chunk = {"obs": jnp.ones((1, FILL_CHUNK, *OBS), jnp.float32)}
     for _ in range(-(-capacity // FILL_CHUNK)):
         fill(chunk)
-    del chunk
-    out: dict[str, float] = {}
-    one = {"obs": jnp.ones((1, *OBS), jnp.float32)}
-    add = held.update(peer["add"])
-    out["add"] = best_time(lambda: add(one), repeat=repeat * 5)
-    sample = held.read(peer["sample"])
-    key = jax.random.key(0)
-    out["sample"] = best_time(lambda: sample(key), repeat=repeat)
-    if name.endswith("prioritised"):
-        s = sample(key)
-        indices, steps = s.indices, peer["steps"](s)
-        del s
-        prio = jnp.asarray(np.random.default_rng(0).random(BATCH, np.float32) + 0.1)
-        setp = held.update(peer["set"])
-        out["set_priorities"] = best_time(lambda: setp(indices, steps, prio), repeat=repeat * 5)
-    held.arrays = None
+    return peer, held
+
+
+def _paired(a: Callable[[], Any], b: Callable[[], Any], repeat: int) -> dict[str, float]:
+    """Time `a` and `b` in alternation, `repeat` pairs after warm-up: the best time of each
+    and the median over the pairs of `b`'s time / `a`'s. On a noisy machine (this one's
+    memory bandwidth drifts by 2x within minutes) the paired median is the steadier ratio."""
+    for _ in range(3):
+        jax.block_until_ready(a())
+        jax.block_until_ready(b())
+    pairs = []
+    for _ in range(repeat):
+        pairs.append((best_time(a, repeat=1, warmup=0), best_time(b, repeat=1, warmup=0)))
+    ta, tb = np.array(pairs).T
+    return {"a": float(ta.min()), "b": float(tb.min()), "ratio": float(np.median(tb / ta))}
+
+
+def _free(*helds: _Held) -> None:
+    for held in helds:
+        held.arrays = None
     gc.collect()
+
+
+def bench_pairs(capacity: int, repeat: int) -> dict[str, dict[str, float]]:
+    """Prioritised against uniform (add of one step, donated; sample of 256) for each library,
+    both buffers filled and alive, timed in alternation; then `set_priorities` of 256
+    (donated), ours against Flashbax's, the same way. Two 6 GB buffers alive at a time."""
+    out: dict[str, dict[str, float]] = {}
+    one = {"obs": jnp.ones((1, *OBS), jnp.float32)}
+    key = jax.random.key(0)
+    for library in ("equibuffer", "flashbax"):
+        (pu, hu), (pp, hp) = (_filled(f"{library} {kind}", capacity) for kind in KINDS)
+        add_u, add_p = hu.update(pu["add"]), hp.update(pp["add"])
+        out[f"{library} add"] = _paired(lambda: add_u(one), lambda: add_p(one), repeat * 5)  # noqa: B023
+        sample_u, sample_p = hu.read(pu["sample"]), hp.read(pp["sample"])
+        out[f"{library} sample"] = _paired(lambda: sample_u(key), lambda: sample_p(key), repeat)  # noqa: B023
+        _free(hu, hp)
+    prio = jnp.asarray(np.random.default_rng(0).random(BATCH, np.float32) + 0.1)
+    sets = []
+    for library in ("flashbax", "equibuffer"):
+        peer, held = _filled(f"{library} prioritised", capacity)
+        s = held.read(peer["sample"])(key)
+        indices, steps = s.indices, peer["steps"](s)
+        setp = held.update(peer["set"])
+        sets.append((held, functools.partial(setp, indices, steps, prio)))
+    out["set_priorities"] = _paired(sets[0][1], sets[1][1], repeat * 5)
+    _free(*(held for held, _ in sets))
     return out
 
 
-NAMES = ("equibuffer uniform", "equibuffer prioritised", "flashbax uniform", "flashbax prioritised")
-
-
-def _ratios(r: dict[str, dict[str, float]]) -> dict[str, float]:
-    ours_u, ours_p = r["equibuffer uniform"], r["equibuffer prioritised"]
-    fbx_u, fbx_p = r["flashbax uniform"], r["flashbax prioritised"]
-    return {
-        "ours prio/uniform sample (target <= 1.1)": ours_p["sample"] / ours_u["sample"],
-        "fbx prio/uniform sample": fbx_p["sample"] / fbx_u["sample"],
-        "ours prio/uniform add (target <= 1.5)": ours_p["add"] / ours_u["add"],
-        "fbx prio/uniform add": fbx_p["add"] / fbx_u["add"],
-        "set_priorities fbx/ours (target >= 1.5)": fbx_p["set_priorities"]
-        / ours_p["set_priorities"],
-    }
+KINDS = ("uniform", "prioritised")
 
 
 def bench_buffers(capacity: int, repeat: int, rounds: int) -> None:
     print(f"\n## Buffers: {capacity:,} steps of {OBS} float32, add batch 1, sample {BATCH}\n")
-    per_round: list[dict[str, dict[str, float]]] = []
+    per_round = []
     for i in range(rounds):
-        per_round.append({name: bench_buffer(name, capacity, repeat) for name in NAMES})
+        per_round.append(bench_pairs(capacity, repeat))
         print(f"  round {i + 1}/{rounds} done", flush=True)
-    best = {n: {op: min(r[n][op] for r in per_round) for op in per_round[0][n]} for n in NAMES}
     rows = []
-    for n in NAMES:
-        ops = {op: fmt_time(best[n][op]) for op in ("add", "sample")}
-        ops["set_priorities"] = fmt_time(best[n]["set_priorities"]) if n.endswith("ised") else "-"
-        rows.append({"buffer": n, **ops})
+    for library in ("equibuffer", "flashbax"):
+        for kind, side in zip(KINDS, ("a", "b"), strict=True):
+            row = {"buffer": f"{library} {kind}"}
+            for op in ("add", "sample"):
+                row[op] = fmt_time(min(r[f"{library} {op}"][side] for r in per_round))
+            side_set = "b" if library == "equibuffer" else "a"
+            row["set_priorities"] = (
+                fmt_time(min(r["set_priorities"][side_set] for r in per_round))
+                if kind == "prioritised"
+                else "-"
+            )
+            rows.append(row)
+    print("Best times over the rounds:\n")
     print(table(rows))
-    print("\n## Ratios (per round, and of the best times over the rounds)\n")
-    ratios = [_ratios(r) for r in per_round] + [_ratios(best)]
-    labels = [f"round {i + 1}" for i in range(rounds)] + ["best"]
-    print(
-        table(
-            [
-                {
-                    "ratio": key,
-                    **{lab: f"{r[key]:.2f}x" for lab, r in zip(labels, ratios, strict=True)},
-                }
-                for key in ratios[0]
-            ]
-        )
-    )
+    labels = {
+        "equibuffer sample": ("ours prio/uniform sample (target <= 1.1)", False),
+        "flashbax sample": ("fbx prio/uniform sample", False),
+        "equibuffer add": ("ours prio/uniform add (target <= 1.5)", False),
+        "flashbax add": ("fbx prio/uniform add", False),
+        "set_priorities": ("set_priorities fbx/ours (target >= 1.5)", True),
+    }
+    print("\n## Ratios: median over alternating pairs, per round; and of the best times\n")
+    out_rows = []
+    for key, (label, inverse) in labels.items():
+        row = {"ratio": label}
+        for i, r in enumerate(per_round):
+            x = r[key]["ratio"]
+            row[f"round {i + 1}"] = f"{1 / x if inverse else x:.2f}x"
+        a = min(r[key]["a"] for r in per_round)
+        b = min(r[key]["b"] for r in per_round)
+        row["best times"] = f"{a / b if inverse else b / a:.2f}x"
+        out_rows.append(row)
+    print(table(out_rows))
 
 
 # ------------------------------------------------------------------------ 3. scaling

@@ -6,16 +6,18 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from ._checks import check_positive_int
 
 
 # Picked by measurement (`python -m benchmarks.bench_prioritised`, CPU, batch 256, one jitted
-# call per operation: on a CPU most of the cost of a batch of 256 is the fixed cost of each XLA
-# kernel, one or two per level, so fewer levels win): see `bench_layouts` there.
-_DEFAULT_FANOUT = 16
-_DEFAULT_TOP = 2048
+# call per operation, capacities 1e3 to 1e7): a plain 8-ary tree up to the root. Wider nodes
+# (16, 32) or a wide top level searched against every query cost more per level than the
+# levels they save: see `bench_layouts` there and benchmarks/README.md.
+_DEFAULT_FANOUT = 8
+_DEFAULT_TOP = 8
 
 
 @functools.cache
@@ -40,7 +42,7 @@ class SumTree(eqx.Module):
     leaf is drawn with probability proportional to its priority in O(log N).
 
     Every operation is batched and vectorised: a batch of `B` updates, reads or draws costs
-    `O(B * fanout * log_fanout(N / top) + top)` array work, level by level, with no loop over
+    `O(B * (fanout * log_fanout(N / top) + top))` array work, level by level, with no loop over
     the batch and nothing of size `N`. An update recomputes each touched node as the sum of its
     children (never by adding a difference), so float32 rounding does not build up however
     many updates are made.
@@ -48,15 +50,15 @@ class SumTree(eqx.Module):
     Layout: one flat `float32` array `nodes`. Level 0 holds the leaves (padded with zeros to a
     multiple of `fanout`), each level above has one node per `fanout` nodes below, up to the
     first level of at most `top` nodes; the last node is the root, the sum of that top level.
-    Sampling takes the prefix sums of the top level once per batch and then descends one
-    level per step; with `capacity <= top` the leaves are the top level (a single dense level,
-    fastest for small capacities).
+    Sampling takes the prefix sums of the top level once per batch, compares every query with
+    all of them, and then descends one level per step; with `capacity <= top` the leaves are
+    the top level (a single dense level).
 
     **Arguments:**
 
     - `capacity`: the number of leaves, any positive int.
-    - `fanout`: children per internal node, at least 2 (default 16).
-    - `top`: the largest level searched densely, at least 1 (default 2048).
+    - `fanout`: children per internal node, at least 2 (default 8).
+    - `top`: the largest level searched densely, at least 1 (default 8).
 
     The defaults were picked by measurement (see `benchmarks/bench_prioritised.py`). All
     leaves start at zero.
@@ -231,29 +233,22 @@ class SumTree(eqx.Module):
         k = self.fanout
         sizes, offsets = _layout(self.capacity, self.fanout, self.top)
         u = prefix.astype(jnp.float32)
-        # The top level is shared by every query: prefix sums once, then a binary search.
+        # The top level (the root's children), then one level down per step. Each step is a
+        # gather, a small matmul and one reduction, each depending on the one before: XLA:CPU
+        # runs such a chain of kernels in the calling thread, where independent kernels
+        # would be handed to other threads (measured: that hand-off costs more than the
+        # work at batch sizes of a few hundred).
         top = self.nodes[offsets[-3] : offsets[-2]]
-        csum = jnp.cumsum(top)
-        node = jnp.searchsorted(csum, u, side="right", method="scan_unrolled").astype(jnp.int32)
-        past = node >= top.shape[0]
-        node = jnp.where(past, _last_positive(top), node)
-        u = jnp.where(past, jnp.inf, u - jnp.where(node > 0, csum[jnp.maximum(node - 1, 0)], 0.0))
-        triangle = (jnp.arange(k)[:, None] <= jnp.arange(k)[None, :]).astype(jnp.float32)
+        node, before = _descend(jax.lax.cummax(jnp.cumsum(top))[None, :], u)
+        u = u - before
         for level in reversed(range(len(sizes) - 2)):
             children = _rows(self.nodes, offsets[level] + node * k, k)
-            # Running sums over the `fanout` children as one small matmul with a triangular
-            # 0/1 matrix (a `cumsum` along rows costs O(fanout**2) on XLA:CPU anyway, and
-            # this is a single well-vectorised op). `child` counts running sums <= u, and
-            # `before` is the largest of them (running sums never decrease).
-            running = jnp.dot(children, triangle, precision=jax.lax.Precision.HIGHEST)
-            passed = running <= u[:, None]
-            child = jnp.sum(passed, axis=1, dtype=jnp.int32)
-            before = jnp.max(jnp.where(passed, running, 0.0), axis=1)
-            # u at or past the node's sum (float rounding): its last positive child, and
-            # u = inf from there down, so the last positive leaf below it.
-            past = child >= k
-            child = jnp.where(past, _last_positive(children), child)
-            u = jnp.where(past, jnp.inf, u - before)
+            # Running sums over the `fanout` children as one matmul with a triangular 0/1
+            # matrix. Every column is summed in the same order, and float addition of
+            # non-negative numbers is monotone, so the running sums never decrease.
+            running = jnp.dot(children, _upper_ones(k), precision=jax.lax.Precision.HIGHEST)
+            child, before = _descend(running, u)
+            u = u - before
             node = node * k + child
         return jnp.minimum(node, self.capacity - 1)
 
@@ -291,7 +286,30 @@ def _pad_to(x: Array, n: int) -> Array:
     return x if x.shape[0] == n else jnp.concatenate([x, jnp.zeros(n - x.shape[0], x.dtype)])
 
 
-def _last_positive(values: Float[Array, "*b k"]) -> Int[Array, "*b"]:
-    """Index of the last positive entry along the last axis (0 if none)."""
-    k = values.shape[-1]
-    return (k - 1 - jnp.argmax(values[..., ::-1] > 0, axis=-1)).astype(jnp.int32)
+@functools.cache
+def _upper_ones(k: int) -> np.ndarray:
+    """`(k, k)` float32 with ones on and above the diagonal: `x @ it` is the running sum."""
+    return np.triu(np.ones((k, k), np.float32))
+
+
+def _descend(
+    running: Float[Array, "b n"], u: Float[Array, " batch"]
+) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
+    """For running sums over one node's children (`b` is the batch or 1, shared) and a
+    prefix `u` inside that node: the child holding `u`, and the running sum before it.
+
+    The child is the count of running sums `<= u`, not counting those equal to the last
+    (so a `u` at or past the node's sum, from float rounding, lands on the last positive
+    child, and a child of zero is never picked while the node is positive); the sum before
+    it is the largest of the counted ones, exactly `running[child - 1]` (or 0), so the
+    remainder `u - before` is never negative. One variadic reduction: one kernel."""
+    below = (running <= u[:, None]) & (running < running[:, -1:])
+    below_sums = jnp.where(below, running, 0.0)
+    below = jnp.broadcast_to(below, below_sums.shape).astype(jnp.int32)
+    child, before = jax.lax.reduce(
+        (below, below_sums),
+        (jnp.int32(0), jnp.float32(0.0)),
+        lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
+        (1,),
+    )
+    return child, before

@@ -44,9 +44,6 @@ Mode: TypeAlias = Literal["never_cross", "pad"]
 
 # Uniform leaves hold 0 or 1 and every node an integer count, exact in float32 up to 2**24.
 _MAX_LEAVES = 1 << 24
-# A top level of 256 (not the SumTree default 2048): the same draws, and `find` compiles in
-# seconds rather than a minute on CPU at capacities of ~1e4 (measured).
-_TREE_TOP = 256
 
 
 class EpisodeSample(Sample):
@@ -167,7 +164,7 @@ def _configure(
     buffer.storage = RingStorage(example, rows, length)
     buffer.episode_end = _check_episode_end(where, buffer.storage.example(), episode_end)
     buffer.ends = jnp.zeros((rows, length), jnp.bool_)
-    buffer.tree = SumTree(rows * length, top=_TREE_TOP)
+    buffer.tree = SumTree(rows * length)
 
 
 def _ends_of(

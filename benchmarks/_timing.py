@@ -1,11 +1,13 @@
 """Timing shared by the benchmark scripts: best-of-N wall time of a function whose result is
-blocked on, after warm-up (compilation) calls. Benchmarks report ratios, never assert speed."""
+blocked on, after warm-up (compilation) calls, and the alternating timing of two functions.
+Benchmarks report ratios, never assert speed."""
 
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 
 def best_time(fn: Callable[[], Any], *, repeat: int = 20, warmup: int = 2) -> float:
@@ -18,6 +20,28 @@ def best_time(fn: Callable[[], Any], *, repeat: int = 20, warmup: int = 2) -> fl
         jax.block_until_ready(fn())
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def paired_times(
+    a: Callable[[], Any], b: Callable[[], Any], *, repeat: int, warmup: int = 3
+) -> dict[str, float]:
+    """Time `a` and `b` in alternation, `repeat` pairs after `warmup` calls of each: the best
+    wall time of each (`"a"`, `"b"`, seconds) and the median over the pairs of `b`'s time /
+    `a`'s (`"ratio"`). On a machine whose speed drifts (this one's memory bandwidth moves by
+    2x within minutes) the paired median is the steadier ratio."""
+    for _ in range(warmup):
+        jax.block_until_ready(a())
+        jax.block_until_ready(b())
+    times = []
+    for _ in range(repeat):
+        pair = []
+        for fn in (a, b):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            pair.append(time.perf_counter() - t0)
+        times.append(pair)
+    ta, tb = np.array(times).T
+    return {"a": float(ta.min()), "b": float(tb.min()), "ratio": float(np.median(tb / ta))}
 
 
 def fmt_time(seconds: float) -> str:

@@ -37,7 +37,7 @@ from equibuffer._buffers._prioritised import PrioritisedItemBuffer, PrioritisedT
 from equibuffer._buffers._transition import TransitionBuffer
 from equibuffer._sumtree import _layout, SumTree
 
-from ._timing import best_time, fmt_time, table
+from ._timing import best_time, fmt_time, paired_times, table
 
 
 OBS = (32, 32, 3)
@@ -185,6 +185,10 @@ def _peer(name: str, capacity: int) -> dict[str, Any]:
     }
 
 
+LIBRARIES = ("equibuffer", "flashbax")
+KINDS = ("uniform", "prioritised")
+
+
 def _filled(name: str, capacity: int) -> tuple[dict[str, Any], _Held]:
     """One library's buffer (`name`), filled with `capacity` steps."""
     peer = _peer(name, capacity)
@@ -196,20 +200,6 @@ def _filled(name: str, capacity: int) -> tuple[dict[str, Any], _Held]:
     return peer, held
 
 
-def _paired(a: Callable[[], Any], b: Callable[[], Any], repeat: int) -> dict[str, float]:
-    """Time `a` and `b` in alternation, `repeat` pairs after warm-up: the best time of each
-    and the median over the pairs of `b`'s time / `a`'s. On a noisy machine (this one's
-    memory bandwidth drifts by 2x within minutes) the paired median is the steadier ratio."""
-    for _ in range(3):
-        jax.block_until_ready(a())
-        jax.block_until_ready(b())
-    pairs = []
-    for _ in range(repeat):
-        pairs.append((best_time(a, repeat=1, warmup=0), best_time(b, repeat=1, warmup=0)))
-    ta, tb = np.array(pairs).T
-    return {"a": float(ta.min()), "b": float(tb.min()), "ratio": float(np.median(tb / ta))}
-
-
 def _free(*helds: _Held) -> None:
     for held in helds:
         held.arrays = None
@@ -218,32 +208,34 @@ def _free(*helds: _Held) -> None:
 
 def bench_pairs(capacity: int, repeat: int) -> dict[str, dict[str, float]]:
     """Prioritised against uniform (add of one step, donated; sample of 256) for each library,
-    both buffers filled and alive, timed in alternation; then `set_priorities` of 256
-    (donated), ours against Flashbax's, the same way. Two 6 GB buffers alive at a time."""
+    both buffers filled and alive, timed in alternation (`"a"`: uniform, `"b"`: prioritised);
+    then `set_priorities` of 256 (donated), the same way (`"a"`: ours, `"b"`: Flashbax's, so
+    the ratio is Flashbax's time / ours). Two 6 GB buffers alive at a time."""
     out: dict[str, dict[str, float]] = {}
     one = {"obs": jnp.ones((1, *OBS), jnp.float32)}
     key = jax.random.key(0)
-    for library in ("equibuffer", "flashbax"):
+    for library in LIBRARIES:
         (pu, hu), (pp, hp) = (_filled(f"{library} {kind}", capacity) for kind in KINDS)
         add_u, add_p = hu.update(pu["add"]), hp.update(pp["add"])
-        out[f"{library} add"] = _paired(lambda: add_u(one), lambda: add_p(one), repeat * 5)  # noqa: B023
+        out[f"{library} add"] = paired_times(
+            functools.partial(add_u, one), functools.partial(add_p, one), repeat=repeat * 5
+        )
         sample_u, sample_p = hu.read(pu["sample"]), hp.read(pp["sample"])
-        out[f"{library} sample"] = _paired(lambda: sample_u(key), lambda: sample_p(key), repeat)  # noqa: B023
+        out[f"{library} sample"] = paired_times(
+            functools.partial(sample_u, key), functools.partial(sample_p, key), repeat=repeat
+        )
         _free(hu, hp)
     prio = jnp.asarray(np.random.default_rng(0).random(BATCH, np.float32) + 0.1)
     sets = []
-    for library in ("flashbax", "equibuffer"):
+    for library in LIBRARIES:
         peer, held = _filled(f"{library} prioritised", capacity)
         s = held.read(peer["sample"])(key)
         indices, steps = s.indices, peer["steps"](s)
         setp = held.update(peer["set"])
         sets.append((held, functools.partial(setp, indices, steps, prio)))
-    out["set_priorities"] = _paired(sets[0][1], sets[1][1], repeat * 5)
+    out["set_priorities"] = paired_times(sets[0][1], sets[1][1], repeat=repeat * 5)
     _free(*(held for held, _ in sets))
     return out
-
-
-KINDS = ("uniform", "prioritised")
 
 
 def bench_buffers(capacity: int, repeat: int, rounds: int) -> None:
@@ -253,14 +245,13 @@ def bench_buffers(capacity: int, repeat: int, rounds: int) -> None:
         per_round.append(bench_pairs(capacity, repeat))
         print(f"  round {i + 1}/{rounds} done", flush=True)
     rows = []
-    for library in ("equibuffer", "flashbax"):
+    for library, set_side in zip(LIBRARIES, ("a", "b"), strict=True):
         for kind, side in zip(KINDS, ("a", "b"), strict=True):
             row = {"buffer": f"{library} {kind}"}
             for op in ("add", "sample"):
                 row[op] = fmt_time(min(r[f"{library} {op}"][side] for r in per_round))
-            side_set = "b" if library == "equibuffer" else "a"
             row["set_priorities"] = (
-                fmt_time(min(r["set_priorities"][side_set] for r in per_round))
+                fmt_time(min(r["set_priorities"][set_side] for r in per_round))
                 if kind == "prioritised"
                 else "-"
             )
@@ -268,22 +259,21 @@ def bench_buffers(capacity: int, repeat: int, rounds: int) -> None:
     print("Best times over the rounds:\n")
     print(table(rows))
     labels = {
-        "equibuffer sample": ("ours prio/uniform sample (target <= 1.1)", False),
-        "flashbax sample": ("fbx prio/uniform sample", False),
-        "equibuffer add": ("ours prio/uniform add (target <= 1.5)", False),
-        "flashbax add": ("fbx prio/uniform add", False),
-        "set_priorities": ("set_priorities fbx/ours (target >= 1.5)", True),
+        "equibuffer sample": "ours prio/uniform sample (target <= 1.1)",
+        "flashbax sample": "fbx prio/uniform sample",
+        "equibuffer add": "ours prio/uniform add (target <= 1.5)",
+        "flashbax add": "fbx prio/uniform add",
+        "set_priorities": "set_priorities fbx/ours (target >= 1.5)",
     }
     print("\n## Ratios: median over alternating pairs, per round; and of the best times\n")
     out_rows = []
-    for key, (label, inverse) in labels.items():
+    for key, label in labels.items():
         row = {"ratio": label}
         for i, r in enumerate(per_round):
-            x = r[key]["ratio"]
-            row[f"round {i + 1}"] = f"{1 / x if inverse else x:.2f}x"
+            row[f"round {i + 1}"] = f"{r[key]['ratio']:.2f}x"
         a = min(r[key]["a"] for r in per_round)
         b = min(r[key]["b"] for r in per_round)
-        row["best times"] = f"{a / b if inverse else b / a:.2f}x"
+        row["best times"] = f"{b / a:.2f}x"
         out_rows.append(row)
     print(table(out_rows))
 

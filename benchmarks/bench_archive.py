@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import jax.numpy as jnp
 import numpy as np
@@ -243,13 +244,11 @@ def _threads(count: int | None) -> Iterator[None]:
     if count is None:
         yield
         return
-    old = _archive._POOL
-    _archive._POOL = concurrent.futures.ThreadPoolExecutor(count)
-    try:
+    with (
+        concurrent.futures.ThreadPoolExecutor(count) as pool,
+        mock.patch.object(_archive, "_POOL", pool),
+    ):
         yield
-    finally:
-        _archive._POOL.shutdown()
-        _archive._POOL = old
 
 
 @contextlib.contextmanager
@@ -258,12 +257,13 @@ def _zstd_level(level: int | None) -> Iterator[None]:
     if level is None:
         yield
         return
-    old = _archive._codecs
-    _archive._codecs = lambda c: zarr.codecs.ZstdCodec(level=level) if c == "zstd" else old(c)
-    try:
+    default = _archive._codecs
+
+    def codecs(c: str) -> Any:
+        return zarr.codecs.ZstdCodec(level=level) if c == "zstd" else default(c)
+
+    with mock.patch.object(_archive, "_codecs", codecs):
         yield
-    finally:
-        _archive._codecs = old
 
 
 def read_variants(folder: str, dtype: str, steps: int, block: int, repeats: int) -> list[dict]:

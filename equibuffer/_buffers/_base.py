@@ -11,7 +11,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree, Shaped
 from .._checks import check_positive_int, check_structure, keystr
 from .._custom_types import BoolScalar, ExperienceBatch, Indices, IntScalar, Steps
 from .._ring import RingStorage
-from .._windows import gather, uniform_windows, window_layout
+from .._windows import uniform_windows, window_layout
 
 
 class Transition(eqx.Module):
@@ -72,7 +72,6 @@ class AbstractBuffer(AbstractRingHolder):
     what `sample` returns.
     """
 
-    storage: eqx.AbstractVar[RingStorage]
     sequence_length: eqx.AbstractVar[int]
     period: eqx.AbstractVar[int]
     min_length: eqx.AbstractVar[int]
@@ -107,10 +106,6 @@ class AbstractBuffer(AbstractRingHolder):
     def size(self) -> IntScalar:
         """The number of steps held, over all rows (0-d int32)."""
         return self.storage.fill * self.storage.rows
-
-    def _draw(self, key: PRNGKeyArray, batch_size: int) -> tuple[Indices, Steps, Any]:
-        indices, steps = self._draw_indices(key, batch_size)
-        return indices, steps, gather(self.storage, indices, self.sequence_length)
 
     def _draw_indices(self, key: PRNGKeyArray, batch_size: int) -> tuple[Indices, Steps]:
         batch_size = check_positive_int(f"{type(self).__name__}.sample()", "batch_size", batch_size)

@@ -4,6 +4,7 @@ from jaxtyping import PRNGKeyArray
 from .._checks import check_positive_int
 from .._custom_types import ExampleTree, ExperienceBatch
 from .._ring import RingStorage
+from .._windows import gather
 from ._base import AbstractBuffer, add_to_storage, check_window_config, resolve_length, Sample
 
 
@@ -78,5 +79,6 @@ class TrajectoryBuffer(AbstractBuffer):
         A [`equibuffer.Sample`][] whose `experience` leaves are
         `(batch_size, sequence_length, *leaf)`.
         """
-        indices, steps, windows = self._draw(key, batch_size)
+        indices, steps = self._draw_indices(key, batch_size)
+        windows = gather(self.storage, indices, self.sequence_length)
         return Sample(experience=windows, indices=indices, steps=steps)

@@ -48,15 +48,27 @@ def uniform_windows(
     return window_at(storage, u // per_row, first + (u % per_row) * period)
 
 
+def flat_indices(rows: int, length: int, slots: Int[Array, " m"]) -> Int[Array, " rows_m"]:
+    """The flat index `row * length + slot` of every row and slot, row-major."""
+    return (jnp.arange(rows, dtype=jnp.int32)[:, None] * length + slots[None, :]).reshape(-1)
+
+
+def window_steps(
+    length: int, indices: Indices, sequence_length: int
+) -> Int[Array, "batch sequence"]:
+    """The flat index (`row * length + slot`) of step `j` of the window starting at each flat
+    index, for `j < sequence_length`, wrapping around the row's ring."""
+    row, slot = indices // length, indices % length
+    steps = (slot[:, None] + jnp.arange(sequence_length, dtype=slot.dtype)[None, :]) % length
+    return row[:, None] * length + steps
+
+
 def gather(
     storage: RingStorage, indices: Indices, sequence_length: int
 ) -> PyTree[Shaped[Array, "batch sequence ..."]]:
     """The `sequence_length` steps starting at each flat window index, leaves
     `(batch, sequence_length, *leaf)`."""
-    length = storage.length
-    row, slot = indices // length, indices % length
-    steps = (slot[:, None] + jnp.arange(sequence_length, dtype=slot.dtype)[None, :]) % length
-    flat = row[:, None] * length + steps
+    flat = window_steps(storage.length, indices, sequence_length)
 
     def take(leaf: Array) -> Array:
         return leaf.reshape(-1, *leaf.shape[2:]).at[flat].get(mode="promise_in_bounds")

@@ -26,7 +26,7 @@ from .._checks import check_positive_int, keystr
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, Indices, IntScalar
 from .._ring import RingStorage
 from .._sumtree import SumTree
-from .._windows import gather, window_layout
+from .._windows import flat_indices, gather, window_layout, window_steps
 from ._base import (
     AbstractBuffer,
     check_window_config,
@@ -237,11 +237,6 @@ def _validity(
     return aligned[None, :] & (whole[None, :] | crossed), slots
 
 
-def _flat(rows: int, length: int, slots: Int[Array, " m"]) -> Int[Array, " rows_m"]:
-    """The flat leaf index `row * length + slot` of every row and slot, row-major."""
-    return (jnp.arange(rows, dtype=jnp.int32)[:, None] * length + slots[None, :]).reshape(-1)
-
-
 def _mask(
     storage: RingStorage,
     ends: Bool[Array, "rows length"],
@@ -253,10 +248,7 @@ def _mask(
     the first episode end: all true in `never_cross` mode."""
     if mode == "never_cross":
         return jnp.ones((indices.shape[0], sequence_length), jnp.bool_)
-    length = storage.length
-    row, slot = indices // length, indices % length
-    j = jnp.arange(sequence_length, dtype=jnp.int32)
-    flat = row[:, None] * length + (slot[:, None] + j[None, :]) % length
+    flat = window_steps(storage.length, indices, sequence_length)
     flags = ends.reshape(-1).at[flat].get(mode="promise_in_bounds").astype(jnp.int32)
     # Step j belongs to the episode when no end comes before it in the window.
     return jnp.cumsum(flags, axis=1) - flags == 0
@@ -420,7 +412,7 @@ class EpisodeTrajectoryBuffer(AbstractBuffer):
         valid, slots = _validity(
             storage, ends, offsets, self.sequence_length, self.period, self.mode
         )
-        indices = _flat(storage.rows, storage.length, slots)
+        indices = flat_indices(storage.rows, storage.length, slots)
         tree = self.tree.write(indices, valid.reshape(-1).astype(jnp.float32))
         return eqx.tree_at(lambda b: (b.storage, b.ends, b.tree), self, (storage, ends, tree))
 
@@ -616,7 +608,7 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
             storage, ends, offsets, self.sequence_length, self.period, self.mode
         )
         rows, length = storage.rows, storage.length
-        indices = _flat(rows, length, slots)
+        indices = flat_indices(rows, length, slots)
         before = self.valid[:, slots]
         old = self.tree.nodes.at[indices].get(mode="promise_in_bounds").reshape(valid.shape)
         fresh = self.max_priority**self.alpha

@@ -14,7 +14,7 @@ from .._checks import check_positive_int
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, Indices, Steps
 from .._ring import RingStorage
 from .._sumtree import SumTree
-from .._windows import gather, gather_steps, window_layout
+from .._windows import flat_indices, gather, gather_steps, window_layout
 from ._base import AbstractBuffer, check_window_config, resolve_length, Sample, Transition
 
 
@@ -110,7 +110,7 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
         valid = (offset >= 0) & (rel >= 0) & (rel % self.period == 0)
         valid = valid & (rel // self.period < count)
         slots = (storage.head - m + jnp.arange(m, dtype=jnp.int32)) % length
-        indices = (jnp.arange(rows, dtype=jnp.int32)[:, None] * length + slots[None, :]).reshape(-1)
+        indices = flat_indices(rows, length, slots)
         fresh = self.max_priority**self.alpha
         values = jnp.broadcast_to(jnp.where(valid, fresh, 0.0), (rows, m)).reshape(-1)
         tree = self.tree.write(indices, values)

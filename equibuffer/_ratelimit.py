@@ -194,8 +194,7 @@ class RateLimited(eqx.Module):
         """
         where = f"{type(self).__name__}.can_add()"
         steps = check_positive_int(where, "steps", steps)
-        increment = self.samples_per_insert * self.buffer.add_batch_size * steps
-        self._increment(where, steps)
+        increment = self._increment(where, steps)
         self._check_deadlock(where, 1, steps, f"steps={steps}, and a batch_size of at least 1")
         return ~self.buffer.can_sample() | self._at_most(self.tolerance - increment)
 
@@ -234,7 +233,7 @@ class RateLimited(eqx.Module):
         where = f"{type(self).__name__}.add()"
         t = self.buffer.storage.steps_in(batch, where)
         t = 1 if t is None else t
-        whole, fraction = self._increment(where, t)
+        whole, fraction = _split(self._increment(where, t))
         buffer = self.buffer.add(batch)
         counted = buffer.can_sample()
         total = self.credit_fraction + jnp.where(counted, fraction, np.float32(0))
@@ -325,8 +324,8 @@ class RateLimited(eqx.Module):
 
     # Internals.
 
-    def _increment(self, where: str, steps: int) -> tuple[int, np.float32]:
-        """`samples_per_insert * add_batch_size * steps`, split, after checking its size."""
+    def _increment(self, where: str, steps: int) -> float:
+        """`samples_per_insert * add_batch_size * steps`, after checking its size."""
         rows = self.buffer.add_batch_size
         increment = self.samples_per_insert * rows * steps
         if increment > _LIMIT:
@@ -335,7 +334,7 @@ class RateLimited(eqx.Module):
                 f"{self.samples_per_insert} * {rows} * {steps} = {increment} is above 2**28 "
                 "windows per add; add fewer steps at a time or lower samples_per_insert."
             )
-        return _split(increment)
+        return increment
 
     @staticmethod
     def _batch_size(where: str, batch_size: Any) -> int:

@@ -507,14 +507,29 @@ class _Chunks:
             return out
         return x
 
+    def decode_into(self, data: Any, dst: np.ndarray, lo: int = 0) -> None:
+        """Decode one encoded chunk (None: never written, zarr's fill value 0) into `dst`,
+        which receives the chunk's steps `[lo, lo + len(dst))`: in place when `dst` is the
+        whole chunk (C-contiguous)."""
+        if data is None:
+            dst[...] = 0
+        elif dst.shape[0] == self.shape[0]:
+            self.decode(data, dst)
+        else:
+            dst[...] = self.decode(data)[lo : lo + dst.shape[0]]
+
     def encode(self, x: np.ndarray) -> Any:
         x = np.ascontiguousarray(x, self.dtype)
         return memoryview(x).cast("B") if self.codec is None else self.codec.encode(x)
 
-    def get(self, row: int, chunk: int, out: np.ndarray | None = None) -> np.ndarray | None:
-        """The decoded chunk (see `decode`), or None if it was never written."""
-        data = self.objects.get(self.key(row, chunk))
-        return None if data is None else self.decode(data, out)
+    def data(self, row: int, chunk: int) -> Any:
+        """The encoded chunk, or None if it was never written."""
+        return self.objects.get(self.key(row, chunk))
+
+    def get(self, row: int, chunk: int) -> np.ndarray | None:
+        """The decoded chunk (read-only), or None if it was never written."""
+        data = self.data(row, chunk)
+        return None if data is None else self.decode(data)
 
     def put(self, row: int, chunk: int, x: np.ndarray) -> None:
         """Replace one chunk atomically (a temporary file renamed over it, or one PUT)."""
@@ -1334,15 +1349,8 @@ class Archive:
         def get(task: tuple[_Chunks, np.ndarray, int, int, int]) -> None:
             chunks, out, i, r, c = task
             a, b = max(start, c * cs), min(stop, (c + 1) * cs)
-            if b - a == cs:  # a whole chunk: decoded in place
-                if chunks.get(r, c, out[i, a - start : b - start]) is None:
-                    out[i, a - start : b - start] = 0
-                return
-            x = chunks.get(r, c)
-            if x is None:
-                out[i, a - start : b - start] = 0  # never written: zarr's fill value
-            else:
-                out[i, a - start : b - start] = x[a - c * cs : b - c * cs]
+            data = chunks.data(r, c)
+            chunks.decode_into(data, out[i, a - start : b - start], a - c * cs)
 
         for _ in _pool().map(get, tasks):
             pass
@@ -1399,13 +1407,7 @@ class Archive:
                 datas = shards.get_chunks(s, which, complete=(s + 1) * ss <= n)
             for c, data in zip(range(cs0, cs1), datas, strict=True):
                 a, b = max(start, c * cs), min(stop, (c + 1) * cs)
-                dst = out[i, a - start : b - start]
-                if data is None:
-                    dst[...] = 0  # never written: zarr's fill value
-                elif b - a == cs:
-                    shards.decode(data, dst)
-                else:
-                    dst[...] = shards.decode(data)[a - c * cs : b - c * cs]
+                shards.decode_into(data, out[i, a - start : b - start], a - c * cs)
 
         tasks = [
             (li, s, i, r)
@@ -1577,81 +1579,67 @@ class Archive:
         starts = np.asarray(firsts)[seg] + (k - cum[seg]) * period
         return ArchiveSample(self._gather(r, starts, seq), r, starts)
 
-    def _gather_chunks(self, rows: np.ndarray, starts: np.ndarray, seq: int) -> Any:
-        """Unsharded: every chunk the windows touch is read and decoded once (concurrently),
-        then each window is gathered from the decoded chunks."""
+    def _gather(self, rows: np.ndarray, starts: np.ndarray, seq: int) -> Any:
+        """Every chunk the windows touch is read and decoded once (concurrently), then each
+        window is gathered from the decoded chunks."""
         cs = self.chunk_steps
         steps = starts[:, None] + np.arange(seq)
         per_row = -(-self._commit.length // cs)
         ids = (rows[:, None] * per_row + steps // cs).ravel()
         needed, which = np.unique(ids, return_inverse=True)
-        which = which.reshape(steps.shape)
-        offsets = steps % cs
+        row_of, chunk_of = np.divmod(needed, per_row)
         stacks = [np.empty((len(needed), *c.shape), c.dtype) for c in self._chunks]
-        tasks = [
-            (chunks, stack, j)
-            for chunks, stack in zip(self._chunks, stacks, strict=True)
-            for j in range(len(needed))
-        ]
-
-        def get(task: tuple[_Chunks, np.ndarray, int]) -> None:
-            chunks, stack, j = task
-            if chunks.get(*divmod(int(needed[j]), per_row), stack[j]) is None:
-                stack[j] = 0
-
-        for _ in _pool().map(get, tasks):
-            pass
+        if self.shard_steps is None:
+            self._decode_chunks(row_of, chunk_of, stacks)
+        else:
+            self._decode_shards(row_of, chunk_of, stacks)
+        which, offsets = which.reshape(steps.shape), steps % cs
         out = [
             stack[which, offsets].view(np.dtype(leaf.stored))
             for stack, leaf in zip(stacks, self.leaves, strict=True)
         ]
         return self._unflatten(out)
 
-    def _gather_shards(self, rows: np.ndarray, starts: np.ndarray, seq: int) -> Any:
+    def _decode_chunks(self, row_of: np.ndarray, chunk_of: np.ndarray, stacks: list) -> None:
+        """Unsharded: chunk `(row_of[k], chunk_of[k])` of every leaf into `stacks[leaf][k]`,
+        one task per chunk."""
+        tasks = [
+            (chunks, stack, k)
+            for chunks, stack in zip(self._chunks, stacks, strict=True)
+            for k in range(len(row_of))
+        ]
+
+        def get(task: tuple[_Chunks, np.ndarray, int]) -> None:
+            chunks, stack, k = task
+            data = chunks.data(int(row_of[k]), int(chunk_of[k]))
+            chunks.decode_into(data, stack[k])
+
+        for _ in _pool().map(get, tasks):
+            pass
+
+    def _decode_shards(self, row_of: np.ndarray, chunk_of: np.ndarray, stacks: list) -> None:
         """Sharded: one task per (leaf, shard) touched reads the index (cached for complete
-        shards) and only the chunks the windows need, each once, and decodes them; then each
-        window is gathered from the decoded chunks."""
+        shards) and only the chunks needed, each once, into `stacks[leaf][k]`."""
         assert self.shard_steps is not None
         shards_of: list[_Shards] = self._chunks
-        cs, ss = self.chunk_steps, self.shard_steps
-        per, n = ss // cs, self._commit.length
-        steps = starts[:, None] + np.arange(seq)
-        chunks_per_row = -(-n // cs)
-        ids = (rows[:, None] * chunks_per_row + steps // cs).ravel()
-        needed, which = np.unique(ids, return_inverse=True)
-        which = which.reshape(steps.shape)
-        offsets = steps % cs
-        r_of, c_of = np.divmod(needed, chunks_per_row)
-        s_of = c_of // per
-        order = np.lexsort((r_of, s_of))  # the needed chunks grouped by shard
+        ss = self.shard_steps
+        per, n = ss // self.chunk_steps, self._commit.length
+        s_of = chunk_of // per
+        order = np.lexsort((row_of, s_of))  # the needed chunks grouped by shard
         groups = np.split(order, np.flatnonzero(np.diff(s_of[order])) + 1)
-        stacks = [np.empty((len(needed), *c.shape), c.dtype) for c in shards_of]
 
         def get(task: tuple[int, np.ndarray]) -> None:
             li, group = task
             shards, stack = shards_of[li], stacks[li]
             s = int(s_of[group[0]])
-            which_ = [(int(r_of[k]), int(c_of[k]) - s * per) for k in group]
-            datas = shards.get_chunks(s, which_, complete=(s + 1) * ss <= n)
+            which = [(int(row_of[k]), int(chunk_of[k]) - s * per) for k in group]
+            datas = shards.get_chunks(s, which, complete=(s + 1) * ss <= n)
             for k, data in zip(group, datas, strict=True):
-                if data is None:
-                    stack[k] = 0
-                else:
-                    shards.decode(data, stack[k])
+                shards.decode_into(data, stack[k])
 
         tasks = [(li, g) for g in groups for li in range(len(shards_of))]
         for _ in _pool().map(get, tasks):
             pass
-        out = [
-            stack[which, offsets].view(np.dtype(leaf.stored))
-            for stack, leaf in zip(stacks, self.leaves, strict=True)
-        ]
-        return self._unflatten(out)
-
-    def _gather(self, rows: np.ndarray, starts: np.ndarray, seq: int) -> Any:
-        if self.shard_steps is None:
-            return self._gather_chunks(rows, starts, seq)
-        return self._gather_shards(rows, starts, seq)
 
 
 def as_jax(tree: PyTree[np.ndarray]) -> PyTree[Shaped[Array, "..."]]:

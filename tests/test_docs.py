@@ -14,15 +14,19 @@ import equibuffer as eb
 ROOT = pathlib.Path(__file__).parent.parent
 
 
+def _python_blocks(page: pathlib.Path) -> list[str]:
+    """The fenced ```python blocks of a Markdown page, in order."""
+    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+
+
 def _readme_blocks():
-    text = (ROOT / "README.md").read_text()
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    return _python_blocks(ROOT / "README.md")
 
 
 def _docs_blocks():
     found = []
     for page in sorted((ROOT / "docs").glob("*.md")):
-        blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+        blocks = _python_blocks(page)
         found += [pytest.param(b, page.name, id=f"{page.name}-{i}") for i, b in enumerate(blocks)]
     return found
 

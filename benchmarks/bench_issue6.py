@@ -14,7 +14,8 @@ side with their peers in the same run (ratios, never a pass/fail):
 Both sides run under plain `jax.jit` (a buffer is a pytree of arrays with static config, so
 `jax.jit` takes it as is) in the queue rows, so that the figures compare the work and not
 `eqx.filter_jit`'s dispatch cost. Every figure is the best of several calls, each running `K`
-operations in a `lax.scan` (so dispatch is amortised), divided by `K`. Sampled data is forced
+operations in a `lax.scan` (so dispatch is amortised), divided by `K`; the episode-aware
+ratio is the median over pairs of such calls timed in alternation. Sampled data is forced
 into memory (an optimisation barrier) so that no gather is fused away.
 
 Run: `python -m benchmarks.bench_issue6 [--quick]`.
@@ -35,7 +36,7 @@ from equibuffer._buffers._prioritised import PrioritisedItemBuffer
 from equibuffer._buffers._queue import Queue
 from equibuffer._mixer import Mixer
 
-from ._timing import best_time, fmt_time, table
+from ._timing import best_time, fmt_time, paired_times, table
 
 
 def _example(obs: int) -> dict[str, jax.Array]:
@@ -260,19 +261,20 @@ def bench_episodes(
             )
         plain = plain.add(data)
         episodes = episodes.add(data)
-        # Interleaved, best of two rounds, so that machine noise hits both sides alike.
-        a, b = float("inf"), float("inf")
-        for _ in range(2):
-            a = min(a, _per_op(functools.partial(run, plain, keys), k, repeat))
-            b = min(b, _per_op(functools.partial(run, episodes, keys), k, repeat))
+        # Timed in alternation, so that machine drift hits both sides alike.
+        t = paired_times(
+            functools.partial(run, plain, keys),
+            functools.partial(run, episodes, keys),
+            repeat=repeat,
+        )
         kind = "prioritised" if prioritised else "uniform"
         out.append(
             {
                 "sample": f"{batch_size} windows of {seq}, {kind}, mode={mode}",
                 "valid windows": f"{episodes.num_valid_windows()} / {plain.num_windows()}",
-                "plain": fmt_time(a),
-                "episode-aware": fmt_time(b),
-                "episode / plain": f"{b / a:.2f}",
+                "plain (best)": fmt_time(t["a"] / k),
+                "episode-aware (best)": fmt_time(t["b"] / k),
+                "episode / plain (paired median)": f"{t['ratio']:.2f}",
             }
         )
         del episodes, plain

@@ -6,7 +6,6 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from ._checks import check_positive_int
@@ -47,12 +46,14 @@ class SumTree(eqx.Module):
     children (never by adding a difference), so float32 rounding does not build up however
     many updates are made.
 
-    Layout: one flat `float32` array `nodes`. Level 0 holds the leaves (padded with zeros to a
-    multiple of `fanout`), each level above has one node per `fanout` nodes below, up to the
-    first level of at most `top` nodes; the last node is the root, the sum of that top level.
-    Sampling takes the prefix sums of the top level once per batch, compares every query with
-    all of them, and then descends one level per step; with `capacity <= top` the leaves are
-    the top level (a single dense level).
+    Layout: one flat `float32` array `nodes` (one array, not one per level: every array of a
+    module costs a little in each jitted call that takes and returns it, which is most of
+    the cost of a small batch). Level 0 holds the leaves (padded with zeros to a multiple of
+    `fanout`), each level above has one node per `fanout` nodes below, up to the first level
+    of at most `top` nodes; the last node is the root, the sum of that top level. Sampling
+    takes the prefix sums of the top level once per batch, compares every query with all of
+    them, and then descends one level per step; with `capacity <= top` the leaves are the top
+    level (a single dense level).
 
     **Arguments:**
 
@@ -115,6 +116,10 @@ class SumTree(eqx.Module):
         indices = eqx.error_if(
             indices, _out_of_range(indices, self.capacity), _index_message("SumTree.get()", self)
         )
+        return self.read(indices)
+
+    def read(self, indices: Int[Array, " batch"]) -> Float[Array, " batch"]:
+        """Unchecked `get` (every index in `[0, capacity)`), for the buffers."""
         return self.nodes.at[indices].get(mode="promise_in_bounds")
 
     def values(self) -> Float[Array, " capacity"]:
@@ -180,22 +185,31 @@ class SumTree(eqx.Module):
             nodes = nodes.at[target].set(values, mode="drop")
         # Recompute the touched node of each level above from its children. A skipped entry
         # recomputes its (unchanged) nodes too, which is harmless; several entries sharing a
-        # node write the same sum.
-        node = indices
+        # node write the same sum. The lower levels, where the batch touches few of the
+        # nodes, are one `fori_loop` over the levels (the tree's depth, not the batch: each
+        # step is one gather and one scatter of the whole batch); the levels above, which a
+        # batch touches about everywhere, are recomputed whole (one dense sum each).
         batch = indices.shape[0]
-        for level in range(1, len(sizes) - 1):
+        sparse = sum(1 for n in sizes[:-2] if batch * k < n)  # a prefix of the levels
+
+        def level_up(level: Int[Array, ""], carry: tuple[Array, Array]) -> tuple[Array, Array]:
+            nodes, node = carry
+            node = node // k
+            starts = jnp.asarray(offsets, jnp.int32)
+            children = _rows(nodes, starts[level - 1] + node * k, k)
+            nodes = nodes.at[starts[level] + node].set(
+                children.sum(axis=1), mode="promise_in_bounds"
+            )
+            return nodes, node
+
+        # (On CPU this also keeps the program of a small write under XLA's estimate for
+        # running it in the calling thread, which counts a loop's body once.)
+        nodes, _ = jax.lax.fori_loop(1, sparse + 1, level_up, (nodes, indices))
+        for level in range(sparse + 1, len(sizes) - 1):
             below, size_below = offsets[level - 1], sizes[level - 1]
-            if batch * k >= size_below:
-                # A batch touching about every group: one dense pass is cheaper.
-                sums = nodes[below : below + size_below].reshape(-1, k).sum(axis=1)
-                sums = _pad_to(sums, sizes[level])
-                nodes = jax.lax.dynamic_update_slice(nodes, sums, (offsets[level],))
-            else:
-                node = node // k
-                children = _rows(nodes, below + node * k, k)
-                nodes = nodes.at[offsets[level] + node].set(
-                    children.sum(axis=1), mode="promise_in_bounds"
-                )
+            sums = nodes[below : below + size_below].reshape(-1, k).sum(axis=1)
+            sums = _pad_to(sums, sizes[level])
+            nodes = jax.lax.dynamic_update_slice(nodes, sums, (offsets[level],))
         top = nodes[offsets[-3] : offsets[-2]]
         return eqx.tree_at(lambda t: t.nodes, self, nodes.at[-1].set(jnp.sum(top)))
 
@@ -220,37 +234,60 @@ class SumTree(eqx.Module):
         `(batch_size,)` int32 indices. Leaves of zero priority are never drawn. When the total
         is zero every draw is meaningless (the buffers raise before it matters).
         """
+        return self.sample_values(key, batch_size, stratified=stratified)[0]
+
+    def sample_values(
+        self, key: PRNGKeyArray, batch_size: int, *, stratified: bool = True
+    ) -> tuple[Int[Array, " batch_size"], Float[Array, " batch_size"]]:
+        """`sample`, and the value of each leaf drawn (from the search itself: no second read
+        of the leaves), e.g. for its probability `value / total()`.
+
+        !!! example
+
+            ```python
+            import jax, jax.numpy as jnp
+            import equibuffer as eb
+
+            tree = eb.SumTree(4).set(jnp.array([1, 2]), jnp.array([1.0, 3.0]))
+            leaves, values = tree.sample_values(jax.random.key(0), 8)
+            assert (values == tree.get(leaves)).all()
+            ```
+        """
         batch_size = check_positive_int("SumTree.sample()", "batch_size", batch_size)
         u = jax.random.uniform(key, (batch_size,), jnp.float32)
         if stratified:
             u = (jnp.arange(batch_size, dtype=jnp.float32) + u) / batch_size
-        return self.find(u * self.total())
+        return self.search(u * self.total())
 
     def find(self, prefix: Float[Array, " batch"]) -> Int[Array, " batch"]:
         """The leaf whose cumulative range `[sum of leaves before it, + itself)` holds each
         `prefix` in `[0, total)`; a prefix at or past the total (float rounding) maps to the
         last leaf of positive value, so a zero leaf is never returned while `total() > 0`."""
+        return self.search(prefix)[0]
+
+    def search(
+        self, prefix: Float[Array, " batch"]
+    ) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
+        """`find`, and the value of each leaf found (read from the last level of the search,
+        not by a second gather from the leaves)."""
         k = self.fanout
-        sizes, offsets = _layout(self.capacity, self.fanout, self.top)
         u = prefix.astype(jnp.float32)
         # The top level (the root's children), then one level down per step. Each step is a
-        # gather, a small matmul and one reduction, each depending on the one before: XLA:CPU
+        # gather, the running sums and one reduction, each depending on the one before: XLA:CPU
         # runs such a chain of kernels in the calling thread, where independent kernels
         # would be handed to other threads (measured: that hand-off costs more than the
         # work at batch sizes of a few hundred).
-        top = self.nodes[offsets[-3] : offsets[-2]]
-        node, before = _descend(jax.lax.cummax(jnp.cumsum(top))[None, :], u)
+        sizes, offsets = _layout(self.capacity, self.fanout, self.top)
+        top = self.nodes[None, offsets[-3] : offsets[-2]]
+        node, before, value = _descend(top, jax.lax.cummax(jnp.cumsum(top, axis=1), axis=1), u)
         u = u - before
         for level in reversed(range(len(sizes) - 2)):
             children = _rows(self.nodes, offsets[level] + node * k, k)
-            # Running sums over the `fanout` children as one matmul with a triangular 0/1
-            # matrix. Every column is summed in the same order, and float addition of
-            # non-negative numbers is monotone, so the running sums never decrease.
-            running = jnp.dot(children, _upper_ones(k), precision=jax.lax.Precision.HIGHEST)
-            child, before = _descend(running, u)
+            running = _running_sums(children)
+            child, before, value = _descend(children, running, u)
             u = u - before
             node = node * k + child
-        return jnp.minimum(node, self.capacity - 1)
+        return jnp.minimum(node, self.capacity - 1), value
 
     # ---------------------------------------------------------------- helpers
 
@@ -286,30 +323,40 @@ def _pad_to(x: Array, n: int) -> Array:
     return x if x.shape[0] == n else jnp.concatenate([x, jnp.zeros(n - x.shape[0], x.dtype)])
 
 
-@functools.cache
-def _upper_ones(k: int) -> np.ndarray:
-    """`(k, k)` float32 with ones on and above the diagonal: `x @ it` is the running sum."""
-    return np.triu(np.ones((k, k), np.float32))
+def _running_sums(children: Float[Array, "b k"]) -> Float[Array, "b k"]:
+    """Running sums along the last axis, written out as `k - 1` additions in order (for the
+    small fan-outs of the tree; elementwise, so XLA fuses them into the reduction that
+    reads them). Float addition of non-negative numbers is monotone: they never decrease."""
+    sums = [children[:, 0]]
+    for j in range(1, children.shape[1]):
+        sums.append(sums[-1] + children[:, j])
+    return jnp.stack(sums, axis=1)
 
 
 def _descend(
-    running: Float[Array, "b n"], u: Float[Array, " batch"]
-) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
-    """For running sums over one node's children (`b` is the batch or 1, shared) and a
-    prefix `u` inside that node: the child holding `u`, and the running sum before it.
+    children: Float[Array, "b n"], running: Float[Array, "b n"], u: Float[Array, " batch"]
+) -> tuple[Int[Array, " batch"], Float[Array, " batch"], Float[Array, " batch"]]:
+    """For one node's children, their running sums (`b` is the batch or 1, shared) and a
+    prefix `u` inside that node: the child holding `u`, the running sum before it, and the
+    child's value.
 
     The child is the count of running sums `<= u`, not counting those equal to the last
     (so a `u` at or past the node's sum, from float rounding, lands on the last positive
     child, and a child of zero is never picked while the node is positive); the sum before
     it is the largest of the counted ones, exactly `running[child - 1]` (or 0), so the
-    remainder `u - before` is never negative. One variadic reduction: one kernel."""
+    remainder `u - before` is never negative. The counted ones are a prefix (the running
+    sums never decrease), so the child is the first one not counted. One variadic
+    reduction: one kernel."""
     below = (running <= u[:, None]) & (running < running[:, -1:])
+    first = ~below & jnp.pad(below[:, :-1], ((0, 0), (1, 0)), constant_values=True)
     below_sums = jnp.where(below, running, 0.0)
-    below = jnp.broadcast_to(below, below_sums.shape).astype(jnp.int32)
-    child, before = jax.lax.reduce(
-        (below, below_sums),
-        (jnp.int32(0), jnp.float32(0.0)),
-        lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
+    shape = below_sums.shape
+    below = jnp.broadcast_to(below, shape).astype(jnp.int32)
+    chosen = jnp.where(first, children, 0.0)
+    child, before, value = jax.lax.reduce(
+        (below, below_sums, chosen),
+        (jnp.int32(0), jnp.float32(0.0), jnp.float32(0.0)),
+        lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1]), a[2] + b[2]),
         (1,),
     )
-    return child, before
+    return child, before, value

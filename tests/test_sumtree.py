@@ -76,6 +76,9 @@ _set = eqx.filter_jit(SumTree.set)
 _get = eqx.filter_jit(SumTree.get)
 _find = eqx.filter_jit(SumTree.find)
 _sample = eqx.filter_jit(SumTree.sample)
+_search = eqx.filter_jit(SumTree.search)
+_sample_values = eqx.filter_jit(SumTree.sample_values)
+_read = eqx.filter_jit(SumTree.read)
 
 
 @settings(max_examples=25, deadline=None)
@@ -90,6 +93,7 @@ def test_set_get_total_match_numpy(case):
         _check_against(tree, ref)
         probe = np.arange(capacity, dtype=np.int32)
         np.testing.assert_array_equal(np.asarray(_get(tree, jnp.asarray(probe))), ref[probe])
+        np.testing.assert_array_equal(np.asarray(_read(tree, jnp.asarray(probe))), ref[probe])
 
 
 @settings(max_examples=15, deadline=None)
@@ -112,11 +116,19 @@ def test_find_and_sample_match_numpy(case, seed):
     middles[: clear.size] = (before + ref / 2.0)[clear]
     found = np.asarray(_find(tree, jnp.asarray(middles)))[: clear.size]
     np.testing.assert_array_equal(found, clear)
+    # `search` finds the same leaves and gives their exact values.
+    leaves, values = (np.asarray(x) for x in _search(tree, jnp.asarray(middles)))
+    np.testing.assert_array_equal(leaves[: clear.size], clear)
+    np.testing.assert_array_equal(values, ref[leaves])
     # Draws (stratified or not) only ever land on leaves of positive priority, including for
-    # prefixes at and past the total.
+    # prefixes at and past the total; `sample_values` draws the same leaves as `sample` and
+    # gives their exact values.
     for stratified in (True, False):
         draws = _sample(tree, jax.random.key(seed), 64, stratified=stratified)
         assert (ref[np.asarray(draws)] > 0).all()
+        same, values = _sample_values(tree, jax.random.key(seed), 64, stratified=stratified)
+        np.testing.assert_array_equal(np.asarray(same), np.asarray(draws))
+        np.testing.assert_array_equal(np.asarray(values), ref[np.asarray(draws)])
     total = np.float32(tree.total())
     edge = jnp.array([total, np.nextafter(total, np.float32(np.inf))] * (capacity // 2 + 1))
     assert (ref[np.asarray(_find(tree, edge[:capacity]))] > 0).all()

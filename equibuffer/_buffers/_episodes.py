@@ -610,7 +610,7 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
         rows, length = storage.rows, storage.length
         indices = flat_indices(rows, length, slots)
         before = self.valid[:, slots]
-        old = self.tree.nodes.at[indices].get(mode="promise_in_bounds").reshape(valid.shape)
+        old = self.tree.read(indices).reshape(valid.shape)
         fresh = self.max_priority**self.alpha
         kept = before & ~overwritten[None, :]
         leaves = jnp.where(valid, jnp.where(kept, old, fresh), 0.0)

@@ -151,7 +151,7 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
             raise ValueError(f"{where}: `beta` must be a scalar, got shape {exponent.shape}.")
         # The barrier keeps XLA from fusing the tree search into the gather of the windows
         # (which would redo the search for every gathered element).
-        indices = jax.lax.optimization_barrier(self.tree.sample(key, batch_size))
+        indices, leaves = jax.lax.optimization_barrier(self.tree.sample_values(key, batch_size))
         total = self.tree.total()
         none_valid, no_window = self._no_valid_window(where)
         # One check (one conditional in the compiled step) for the four ways to fail.
@@ -173,7 +173,7 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
                 f"{where}: `beta` must be finite and >= 0.",
             ],
         )
-        probabilities = self.tree.nodes.at[indices].get(mode="promise_in_bounds") / total
+        probabilities = leaves / total
         # (N P(i))^-beta / max_j (N P(j))^-beta, written so that it neither over- nor
         # underflows: every sampled P(i) > 0, and the ratio to the smallest is >= 1.
         weights = (probabilities / jnp.min(probabilities)) ** -exponent

@@ -13,10 +13,13 @@ side with their peers in the same run (ratios, never a pass/fail):
 
 Both sides run under plain `jax.jit` (a buffer is a pytree of arrays with static config, so
 `jax.jit` takes it as is) in the queue rows, so that the figures compare the work and not
-`eqx.filter_jit`'s dispatch cost. Every figure is the best of several calls, each running `K`
-operations in a `lax.scan` (so dispatch is amortised), divided by `K`; the episode-aware
-ratio is the median over pairs of such calls timed in alternation. Sampled data is forced
-into memory (an optimisation barrier) so that no gather is fused away.
+`eqx.filter_jit`'s dispatch cost. Every call runs `K` operations in a `lax.scan` (so dispatch
+is amortised); the two sides of each comparison are called in alternation
+(`_timing.paired_times`) and the ratio is the median over the pairs (the best time of each
+side, divided by `K`, is shown beside it). Sampled data is forced into memory (an
+optimisation barrier) so that no gather is fused away. The n-step row is given twice: with
+the fields the issue names (first, second, reward, discount) and with every field (also
+`last`, a third step read only when used).
 
 Run: `python -m benchmarks.bench_issue6 [--quick]`.
 """
@@ -24,7 +27,6 @@ Run: `python -m benchmarks.bench_issue6 [--quick]`.
 import argparse
 import functools
 import itertools
-from collections.abc import Callable
 from typing import Any, Literal
 
 import equinox as eqx
@@ -36,7 +38,7 @@ from equibuffer._buffers._prioritised import PrioritisedItemBuffer
 from equibuffer._buffers._queue import Queue
 from equibuffer._mixer import Mixer
 
-from ._timing import best_time, fmt_time, paired_times, table
+from ._timing import fmt_time, paired_times, table
 
 
 def _example(obs: int) -> dict[str, jax.Array]:
@@ -63,10 +65,6 @@ def _steps(rows: int, t: int, obs: int, seed: int = 0) -> dict[str, jax.Array]:
 def _materialise(tree: Any) -> jax.Array:
     leaves = jax.lax.optimization_barrier(jax.tree.leaves(tree))
     return jnp.stack([leaf.reshape(-1)[0].astype(jnp.float32) for leaf in leaves]).sum()
-
-
-def _per_op(fn: Callable[[], Any], k: int, repeat: int) -> float:
-    return best_time(fn, repeat=repeat, warmup=2) / k
 
 
 # --------------------------------------------------------------------------- queue
@@ -99,22 +97,28 @@ def bench_queue(rows: int, t: int, obs: int, k: int, repeat: int) -> list[dict[s
     def fb_add(state, batch):
         return jax.lax.scan(lambda s, _: (fb.add(s, batch), None), state, None, length=k)[0]
 
-    # sample: k samples of T steps per row, each forced into memory.
+    # sample: k samples of T steps per row, each forced into memory. The queue is carried
+    # from one sample to the next, so that each reads the next T steps (a sample of a state
+    # that does not change would be hoisted out of the loop by XLA); ours has `unread` set
+    # back after each (Flashbax's sample does not check it).
     @jax.jit
     def ours_sample(q):
-        def body(acc, _):
-            q2, s = q.sample()
-            return acc + _materialise(s.experience) + q2.unread.astype(jnp.float32), None
+        def body(carry, _):
+            q, acc = carry
+            q, s = q.sample()
+            q = eqx.tree_at(lambda x: x.unread, q, q.unread + t)
+            return (q, acc + _materialise(s.experience)), None
 
-        return jax.lax.scan(body, jnp.float32(0), None, length=k)[0]
+        return jax.lax.scan(body, (q, jnp.float32(0)), None, length=k)[0][1]
 
     @jax.jit
     def fb_sample(state):
-        def body(acc, _):
-            s2, s = fb.sample(state)
-            return acc + _materialise(s.experience) + s2.read_index.astype(jnp.float32), None
+        def body(carry, _):
+            state, acc = carry
+            state, s = fb.sample(state)
+            return (state, acc + _materialise(s.experience)), None
 
-        return jax.lax.scan(body, jnp.float32(0), None, length=k)[0]
+        return jax.lax.scan(body, (state, jnp.float32(0)), None, length=k)[0][1]
 
     # a rollout cycle: add T steps, then consume them (what an on-policy loop does).
     @functools.partial(jax.jit, donate_argnums=1)
@@ -145,11 +149,12 @@ def bench_queue(rows: int, t: int, obs: int, k: int, repeat: int) -> list[dict[s
         box["fb"] = fb_add(box["fb"], batch)
         return box["fb"]
 
-    t_ours_add, t_fb_add = _per_op(run_ours_add, k, repeat), _per_op(run_fb_add, k, repeat)
+    adds = paired_times(run_ours_add, run_fb_add, repeat=repeat)
     full_ours = eqx.tree_at(lambda q: q.unread, box["ours"], jnp.int32(t))
     full_fb = fb.add(box["fb"], batch)
-    t_ours_sample = _per_op(lambda: ours_sample(full_ours), k, repeat)
-    t_fb_sample = _per_op(lambda: fb_sample(full_fb), k, repeat)
+    samples = paired_times(
+        lambda: ours_sample(full_ours), lambda: fb_sample(full_fb), repeat=repeat
+    )
     box["ours"] = eqx.tree_at(lambda q: q.unread, box["ours"], jnp.int32(0))
     box["fb"] = fb.init(jax.tree.map(lambda x: x[0, 0], batch))
 
@@ -161,19 +166,19 @@ def bench_queue(rows: int, t: int, obs: int, k: int, repeat: int) -> list[dict[s
         box["fb"], acc = fb_cycle(box["fb"], batch)
         return acc
 
-    t_ours_cycle, t_fb_cycle = _per_op(run_ours_cycle, k, repeat), _per_op(run_fb_cycle, k, repeat)
+    cycles = paired_times(run_ours_cycle, run_fb_cycle, repeat=repeat)
     rows_out = []
-    for op, a, b in (
-        (f"add {t} steps", t_ours_add, t_fb_add),
-        (f"sample {t} steps", t_ours_sample, t_fb_sample),
-        ("add + sample", t_ours_cycle, t_fb_cycle),
+    for op, pair in (
+        (f"add {t} steps", adds),
+        (f"sample {t} steps", samples),
+        ("add + sample", cycles),
     ):
         rows_out.append(
             {
                 "queue op": op,
-                "equibuffer": fmt_time(a),
-                "flashbax": fmt_time(b),
-                "flashbax / equibuffer": f"{b / a:.2f}",
+                "equibuffer (best)": fmt_time(pair["a"] / k),
+                "flashbax (best)": fmt_time(pair["b"] / k),
+                "flashbax / equibuffer (paired median)": f"{pair['ratio']:.2f}",
             }
         )
     return rows_out
@@ -197,22 +202,32 @@ def bench_n_step(
     keys = jax.random.split(jax.random.key(0), k)
 
     @eqx.filter_jit
-    def run(buffer, keys):
+    def run(buffer, keys, fields):
         def body(acc, key):
-            return acc + _materialise(buffer.sample(key, batch_size).experience), None
+            sample = buffer.sample(key, batch_size).experience
+            if fields:  # the n-step fields the issue names (`last` unused, so not gathered)
+                sample = [sample.first, sample.second, sample.reward, sample.discount]
+            return acc + _materialise(sample), None
 
         return jax.lax.scan(body, jnp.float32(0), keys)[0]
 
-    a = _per_op(lambda: run(plain, keys), k, repeat)
-    b = _per_op(lambda: run(nstep, keys), k, repeat)
-    return [
-        {
-            "sample": f"{batch_size} transitions, obs {obs} floats",
-            "plain": fmt_time(a),
-            f"n-step (n={n})": fmt_time(b),
-            "n-step / plain": f"{b / a:.2f}",
-        }
-    ]
+    out = []
+    for fields, what in ((True, "first, second, reward, discount"), (False, "every field")):
+        t = paired_times(
+            functools.partial(run, plain, keys, False),
+            functools.partial(run, nstep, keys, fields),
+            repeat=repeat,
+        )
+        out.append(
+            {
+                "sample": f"{batch_size} transitions, obs {obs} floats",
+                "n-step fields read": what,
+                "plain (best)": fmt_time(t["a"] / k),
+                f"n-step, n={n} (best)": fmt_time(t["b"] / k),
+                "n-step / plain (paired median)": f"{t['ratio']:.2f}",
+            }
+        )
+    return out
 
 
 # --------------------------------------------------------------------------- episodes
@@ -305,28 +320,30 @@ def bench_mixer(
 
         return jax.lax.scan(body, jnp.float32(0), keys)[0]
 
-    def one(i):
-        @eqx.filter_jit
-        def run(buffer, keys):
-            def body(acc, key):
+    # The sum of the sources' samples: the same three samples (same keys, same row counts)
+    # in the same scan body, each forced into memory, without the mixing.
+    @eqx.filter_jit
+    def run_sources(sources, keys):
+        def body(acc, key):
+            parts, part_keys = [], jax.random.split(key, 3)
+            for i, buffer in enumerate(sources):
                 kw = {"beta": 0.4} if isinstance(buffer, PrioritisedItemBuffer) else {}
-                return acc + _materialise(buffer.sample(key, counts[i], **kw)), None
+                parts.append(buffer.sample(part_keys[i], counts[i], **kw))
+            return acc + _materialise(parts), None
 
-            return jax.lax.scan(body, jnp.float32(0), keys)[0]
+        return jax.lax.scan(body, jnp.float32(0), keys)[0]
 
-        return _per_op(lambda: run(sources[i], keys), k, repeat)
-
-    # Interleave so that machine noise hits both sides alike.
-    t_sum = sum(one(i) for i in range(3))
-    t_mix = _per_op(lambda: run_mixer(mixer, keys), k, repeat)
-    t_sum = min(t_sum, sum(one(i) for i in range(3)))
-    t_mix = min(t_mix, _per_op(lambda: run_mixer(mixer, keys), k, repeat))
+    t = paired_times(
+        functools.partial(run_sources, sources, keys),
+        functools.partial(run_mixer, mixer, keys),
+        repeat=repeat,
+    )
     return [
         {
             "sample": f"{batch_size} rows {counts}",
-            "sum of sources": fmt_time(t_sum),
-            "mixer": fmt_time(t_mix),
-            "mixer / sum": f"{t_mix / t_sum:.2f}",
+            "sum of sources (best)": fmt_time(t["a"] / k),
+            "mixer (best)": fmt_time(t["b"] / k),
+            "mixer / sum (paired median)": f"{t['ratio']:.2f}",
         }
     ]
 

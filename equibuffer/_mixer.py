@@ -1,5 +1,6 @@
 """One batch drawn in fixed proportions from several buffers."""
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +25,9 @@ class MixedSample(eqx.Module):
     - `weights`: `(batch,)` float32 importance weights: a prioritised source's own
         `weights` on its rows, 1 on the rows of a uniform source.
     - `samples`: each source's own sample (`None` for a source given 0 rows), with its
-        `indices` and `steps`: what [`equibuffer.Mixer.set_priorities`][] routes back.
+        `indices` and `steps`: what [`equibuffer.Mixer.set_priorities`][] routes back. Their
+        `experience` is `None`: those rows are in `experience` (not held twice, so a
+        `MixedSample` returned from a jitted step carries the batch once).
     """
 
     experience: PyTree[Shaped[Array, "batch ..."]]
@@ -161,6 +164,7 @@ class Mixer(eqx.Module):
                 for i, s in drawn
             ]
         )
+        samples = [None if s is None else dataclasses.replace(s, experience=None) for s in samples]
         return MixedSample(
             experience=experience, source=source, weights=weights, samples=tuple(samples)
         )

@@ -65,6 +65,8 @@ def test_shares_sources_and_per_source_distributions():
         assert np.all(x[:35] < 10**6) and np.all(x[35:] >= 10**6)
         np.testing.assert_array_equal(np.asarray(s.weights)[:35], 1.0)
         np.testing.assert_array_equal(np.asarray(s.weights)[35:], np.asarray(s.samples[1].weights))
+        # The sources' rows are held once, in `experience`.
+        assert s.samples[0].experience is None and s.samples[1].experience is None
         rows, steps_ = np.divmod(x[:35], 1000)
         np.add.at(uniform_counts, rows * 5 + steps_, 1)
         np.add.at(

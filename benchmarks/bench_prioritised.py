@@ -16,10 +16,10 @@ uniform ones and against Flashbax's prioritised and uniform flat buffers, in the
 
 Run: `python -m benchmarks.bench_prioritised [--quick] [--capacity N]`. Never fails on speed.
 
-Figures (2 CPU cores, paired medians per round, benchmarks/README.md): prioritised/uniform
-sample 1.23 to 1.27x (target 1.1), prioritised/uniform add 1.50 to 2.36x (target 1.5),
-`set_priorities` Flashbax/ours 0.88 to 0.91x (target 1.5), buffer sample 1e7/1e5 1.37 to
-1.48x (target 1.5). What dominates: benchmarks/README.md.
+Figures (2 CPU cores, paired medians per round, benchmarks/README.md, 2026-11-25):
+prioritised/uniform sample 1.11 to 1.13x (target 1.1), prioritised/uniform add 1.67 to
+1.72x (target 1.5), `set_priorities` Flashbax/ours 0.93 to 0.97x (target 1.5), buffer
+sample 1e7/1e5 1.16x of the best times (target 1.5). What dominates: benchmarks/README.md.
 """
 
 import argparse

@@ -116,7 +116,7 @@ class SumTree(eqx.Module):
         indices = eqx.error_if(
             indices, _out_of_range(indices, self.capacity), _index_message("SumTree.get()", self)
         )
-        return self.read(indices)
+        return self.read(jnp.asarray(indices))
 
     def read(self, indices: Int[Array, " batch"]) -> Float[Array, " batch"]:
         """Unchecked `get` (every index in `[0, capacity)`), for the buffers."""

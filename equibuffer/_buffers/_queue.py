@@ -2,13 +2,13 @@
 steps not yet read."""
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from .._checks import check_positive_int
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar
 from .._ring import RingStorage
+from .._windows import gather
 from ._base import AbstractRingHolder, resolve_length, Sample, update_storage, UpdateFn
 
 
@@ -146,11 +146,10 @@ class Queue(AbstractRingHolder):
         indices = rows * length + slot
         step = storage.count_lo - unread.astype(jnp.uint32)
         steps = jnp.broadcast_to(step, (storage.rows,))
-        # Every row is read at the same slots: one gather along the time axis.
-        slots = (slot + jnp.arange(s, dtype=jnp.int32)) % length
-        experience = jax.tree.map(
-            lambda x: x.at[:, slots].get(mode="promise_in_bounds"), storage.data
-        )
+        # The windows' steps by their flat indices, as the buffers gather them: the result
+        # comes out `(rows, s, *leaf)` in row-major order (an index along the time axis,
+        # `x[:, slots]`, comes out time-major and costs a transposing copy).
+        experience = gather(storage, indices, s)
         queue = eqx.tree_at(lambda q: q.unread, self, unread - s)
         return queue, Sample(experience=experience, indices=indices, steps=steps)
 

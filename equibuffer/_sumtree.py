@@ -119,7 +119,19 @@ class SumTree(eqx.Module):
         return self.read(jnp.asarray(indices))
 
     def read(self, indices: Int[Array, " batch"]) -> Float[Array, " batch"]:
-        """Unchecked `get` (every index in `[0, capacity)`), for the buffers."""
+        """Unchecked `get`: every index must be in `[0, capacity)` (not checked; for code
+        that knows it, such as the buffers).
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import equibuffer as eb
+
+            tree = eb.SumTree(4).set(jnp.array([2]), jnp.array([5.0]))
+            assert tree.read(jnp.array([2, 0])).tolist() == [5.0, 0.0]
+            ```
+        """
         return self.nodes.at[indices].get(mode="promise_in_bounds")
 
     def values(self) -> Float[Array, " capacity"]:
@@ -269,7 +281,19 @@ class SumTree(eqx.Module):
         self, prefix: Float[Array, " batch"]
     ) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
         """`find`, and the value of each leaf found (read from the last level of the search,
-        not by a second gather from the leaves)."""
+        not by a second gather from the leaves).
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import equibuffer as eb
+
+            tree = eb.SumTree(3).set(jnp.array([0, 2]), jnp.array([1.0, 3.0]))
+            leaves, values = tree.search(jnp.array([0.5, 2.0]))  # [0, 1) and [1, 4)
+            assert leaves.tolist() == [0, 2] and values.tolist() == [1.0, 3.0]
+            ```
+        """
         k = self.fanout
         u = prefix.astype(jnp.float32)
         # The top level (the root's children), then one level down per step. Each step is a

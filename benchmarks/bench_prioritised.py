@@ -206,16 +206,45 @@ def _free(*helds: _Held) -> None:
     gc.collect()
 
 
-def bench_pairs(capacity: int, repeat: int) -> dict[str, dict[str, float]]:
+def _in_scan(peer: dict[str, Any], k: int) -> dict[str, Callable[..., Any]]:
+    """The peer's add, sample and set_priorities, each run `k` times inside one `lax.scan`
+    (as inside a jitted training step: no dispatch per operation); samples forced into
+    memory (an optimisation barrier), each with its own key; each set_priorities with its own
+    priorities."""
+
+    def add(state: Any, x: Any) -> Any:
+        return jax.lax.scan(lambda st, _: (peer["add"](st, x), None), state, None, length=k)[0]
+
+    def sample(state: Any, key: Any) -> Any:
+        def body(acc: Any, key: Any) -> Any:
+            leaves = jax.lax.optimization_barrier(jax.tree.leaves(peer["sample"](state, key)))
+            return acc + sum(leaf.reshape(-1)[0].astype(jnp.float32) for leaf in leaves), None
+
+        return jax.lax.scan(body, jnp.float32(0), jax.random.split(key, k))[0]
+
+    def set_(state: Any, i: Any, st: Any, p: Any) -> Any:
+        def body(state: Any, j: Any) -> Any:
+            return peer["set"](state, i, st, p + j.astype(jnp.float32) * 1e-3), None
+
+        return jax.lax.scan(body, state, jnp.arange(k))[0]
+
+    return {"add": add, "sample": sample, "set": set_}
+
+
+def bench_pairs(capacity: int, repeat: int, k: int | None = None) -> dict[str, dict[str, float]]:
     """Prioritised against uniform (add of one step, donated; sample of 256) for each library,
     both buffers filled and alive, timed in alternation (`"a"`: uniform, `"b"`: prioritised);
     then `set_priorities` of 256 (donated), the same way (`"a"`: ours, `"b"`: Flashbax's, so
-    the ratio is Flashbax's time / ours). Two 6 GB buffers alive at a time."""
+    the ratio is Flashbax's time / ours). Two 6 GB buffers alive at a time. Each timed call
+    is one operation (one jitted call, dispatch included), or with `k` a `lax.scan` of `k`
+    operations (the work inside a jitted training step); times are per call."""
     out: dict[str, dict[str, float]] = {}
     one = {"obs": jnp.ones((1, *OBS), jnp.float32)}
     key = jax.random.key(0)
+    ops = (lambda peer: peer) if k is None else (lambda peer: {**peer, **_in_scan(peer, k)})
     for library in LIBRARIES:
         (pu, hu), (pp, hp) = (_filled(f"{library} {kind}", capacity) for kind in KINDS)
+        pu, pp = ops(pu), ops(pp)
         add_u, add_p = hu.update(pu["add"]), hp.update(pp["add"])
         out[f"{library} add"] = paired_times(
             functools.partial(add_u, one), functools.partial(add_p, one), repeat=repeat * 5
@@ -231,32 +260,35 @@ def bench_pairs(capacity: int, repeat: int) -> dict[str, dict[str, float]]:
         peer, held = _filled(f"{library} prioritised", capacity)
         s = held.read(peer["sample"])(key)
         indices, steps = s.indices, peer["steps"](s)
-        setp = held.update(peer["set"])
+        setp = held.update(ops(peer)["set"])
         sets.append((held, functools.partial(setp, indices, steps, prio)))
     out["set_priorities"] = paired_times(sets[0][1], sets[1][1], repeat=repeat * 5)
     _free(*(held for held, _ in sets))
     return out
 
 
-def bench_buffers(capacity: int, repeat: int, rounds: int) -> None:
-    print(f"\n## Buffers: {capacity:,} steps of {OBS} float32, add batch 1, sample {BATCH}\n")
+def bench_buffers(capacity: int, repeat: int, rounds: int, k: int | None = None) -> None:
+    how = "one jitted call per operation" if k is None else f"{k} operations per lax.scan"
+    print(
+        f"\n## Buffers: {capacity:,} steps of {OBS} float32, add batch 1, sample {BATCH}, {how}\n"
+    )
     per_round = []
     for i in range(rounds):
-        per_round.append(bench_pairs(capacity, repeat))
+        per_round.append(bench_pairs(capacity, repeat, k))
         print(f"  round {i + 1}/{rounds} done", flush=True)
     rows = []
     for library, set_side in zip(LIBRARIES, ("a", "b"), strict=True):
         for kind, side in zip(KINDS, ("a", "b"), strict=True):
             row = {"buffer": f"{library} {kind}"}
             for op in ("add", "sample"):
-                row[op] = fmt_time(min(r[f"{library} {op}"][side] for r in per_round))
+                row[op] = fmt_time(min(r[f"{library} {op}"][side] for r in per_round) / (k or 1))
             row["set_priorities"] = (
-                fmt_time(min(r["set_priorities"][set_side] for r in per_round))
+                fmt_time(min(r["set_priorities"][set_side] for r in per_round) / (k or 1))
                 if kind == "prioritised"
                 else "-"
             )
             rows.append(row)
-    print("Best times over the rounds:\n")
+    print("Best times over the rounds, per operation:\n")
     print(table(rows))
     labels = {
         "equibuffer sample": "ours prio/uniform sample (target <= 1.1)",
@@ -351,6 +383,7 @@ def main() -> None:
         print(table(rows))
     if not args.skip_buffers:
         bench_buffers(capacity, repeat, args.rounds)
+        bench_buffers(capacity, repeat, args.rounds, k=5 if quick else 20)
     if not args.skip_scaling:
         bench_scaling([10**3, 10**5] if quick else [10**5, 10**7], repeat, args.rounds)
 

@@ -225,6 +225,44 @@ class SumTree(eqx.Module):
         top = nodes[offsets[-3] : offsets[-2]]
         return eqx.tree_at(lambda t: t.nodes, self, nodes.at[-1].set(jnp.sum(top)))
 
+    def write_block(self, start: Int[ArrayLike, ""], values: Float[Array, " m"]) -> "SumTree":
+        """Unchecked write of the `m` contiguous leaves `[start, start + m)` (which must lie in
+        `[0, capacity)`), and every node above them recomputed from its children.
+
+        The same result as `write(start + arange(m), values)`, made only of contiguous
+        slices: at each level the nodes above the block are a run of at most
+        `(m - 1) // fanout**level + 2`, recomputed from the run of their children. On CPU
+        this avoids a scatter and a gather per level, which XLA splits across threads on a
+        large tree (the hand-off costs more than a small write): a prioritised buffer with
+        one row writes its new windows' leaves with it.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import equibuffer as eb
+
+            tree = eb.SumTree(100).write_block(jnp.int32(40), jnp.array([1.0, 2.0, 3.0]))
+            assert float(tree.total()) == 6.0 and tree.get(jnp.array([41])).tolist() == [2.0]
+            ```
+        """
+        k = self.fanout
+        sizes, offsets = _layout(self.capacity, self.fanout, self.top)
+        m = values.shape[0]
+        start = jnp.asarray(start, jnp.int32)
+        nodes = jax.lax.dynamic_update_slice(self.nodes, values.astype(jnp.float32), (start,))
+        lo, hi = start, start + m - 1
+        for level in range(1, len(sizes) - 1):
+            lo, hi = lo // k, hi // k
+            real = sizes[level - 1] // k  # the nodes of this level that have children
+            count = min(real, (m - 1) // k**level + 2)  # covers [lo, hi]
+            first = jnp.clip(lo, 0, real - count)
+            children = jax.lax.dynamic_slice(nodes, (offsets[level - 1] + first * k,), (count * k,))
+            sums = children.reshape(count, k).sum(axis=1)
+            nodes = jax.lax.dynamic_update_slice(nodes, sums, (offsets[level] + first,))
+        top = nodes[offsets[-3] : offsets[-2]]
+        return eqx.tree_at(lambda t: t.nodes, self, nodes.at[-1].set(jnp.sum(top)))
+
     # --------------------------------------------------------------- sampling
 
     def sample(

@@ -79,6 +79,7 @@ _sample = eqx.filter_jit(SumTree.sample)
 _search = eqx.filter_jit(SumTree.search)
 _sample_values = eqx.filter_jit(SumTree.sample_values)
 _read = eqx.filter_jit(SumTree.read)
+_write_block = eqx.filter_jit(SumTree.write_block)
 
 
 @settings(max_examples=25, deadline=None)
@@ -96,15 +97,22 @@ def test_set_get_total_match_numpy(case):
         np.testing.assert_array_equal(np.asarray(_read(tree, jnp.asarray(probe))), ref[probe])
 
 
-@settings(max_examples=15, deadline=None)
-@given(_updates(), st.integers(0, 2**31 - 1))
-def test_find_and_sample_match_numpy(case, seed):
+def _built(case) -> tuple[SumTree, np.ndarray]:
+    """The tree after a drawn sequence of batched sets, and its NumPy reference leaves."""
     capacity, layout, batches = case
     tree = SumTree(capacity, *layout)
     ref = np.zeros(capacity, np.float32)
     for indices, values in batches:
         tree = _set(tree, jnp.asarray(indices), jnp.asarray(values))
         _adopt(tree, ref, indices, values)
+    return tree, ref
+
+
+@settings(max_examples=15, deadline=None)
+@given(_updates(), st.integers(0, 2**31 - 1))
+def test_find_and_sample_match_numpy(case, seed):
+    tree, ref = _built(case)
+    capacity = tree.capacity
     _check_against(tree, ref)
     if not (ref > 0).any():
         return
@@ -132,6 +140,22 @@ def test_find_and_sample_match_numpy(case, seed):
     total = np.float32(tree.total())
     edge = jnp.array([total, np.nextafter(total, np.float32(np.inf))] * (capacity // 2 + 1))
     assert (ref[np.asarray(_find(tree, edge[:capacity]))] > 0).all()
+
+
+@settings(max_examples=20, deadline=None)
+@given(_updates(), st.data())
+def test_write_block_matches_write(case, data):
+    # A block of contiguous leaves written with slices only gives the tree `write` gives.
+    tree, ref = _built(case)
+    capacity = tree.capacity
+    m = data.draw(st.integers(1, capacity), label="m")
+    start = data.draw(st.integers(0, capacity - m), label="start")
+    values = np.asarray(data.draw(st.lists(st.floats(0, 10, width=32), min_size=m, max_size=m)))
+    block = _write_block(tree, jnp.int32(start), jnp.asarray(values, np.float32))
+    ref[start : start + m] = values
+    _check_against(block, ref)
+    scattered = tree.write(jnp.arange(start, start + m), jnp.asarray(values, np.float32))
+    np.testing.assert_allclose(np.asarray(block.nodes), np.asarray(scattered.nodes), rtol=1e-6)
 
 
 @pytest.mark.parametrize("layout", [(2, 1), (16, 2048)])

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from equinox.internal import unvmap_all
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from .._checks import check_positive_int
@@ -113,7 +114,19 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
         indices = flat_indices(rows, length, slots)
         fresh = self.max_priority**self.alpha
         values = jnp.broadcast_to(jnp.where(valid, fresh, 0.0), (rows, m)).reshape(-1)
-        tree = self.tree.write(indices, values)
+        if rows == 1:
+            # One row: the leaves are one block of slots unless it wraps the ring's end. A
+            # block write is contiguous slices only (no per-level scatter and gather); the
+            # predicate is reduced over vmapped axes so that `vmap` keeps the cond.
+            start = (storage.head - m) % length
+            tree = jax.lax.cond(
+                unvmap_all(start + m <= length),
+                lambda t: t.write_block(start, values),
+                lambda t: t.write(indices, values),
+                self.tree,
+            )
+        else:
+            tree = self.tree.write(indices, values)
         return eqx.tree_at(lambda b: (b.storage, b.tree), self, (storage, tree))
 
     def sample(

@@ -7,7 +7,8 @@ uniform ones and against Flashbax's prioritised and uniform flat buffers, in the
 2. Buffers: `--capacity` steps (default 500,000) of `(32, 32, 3)` float32 (6 GB per buffer;
    two alive at a time), transitions, add batch 1, sample batch 256. Each comparison is timed
    in alternation, both buffers filled and alive, and reported as the median over the pairs
-   (steady on this noisy machine) and as the ratio of the best times:
+   (steady on this noisy machine) and as the ratio of the best times; once with one jitted
+   call per operation, once with 20 operations inside one `lax.scan` per call:
    - prioritised sample / uniform sample (ours, then Flashbax's);
    - prioritised add of one step / uniform add of one step, under donation;
    - `set_priorities` of 256: Flashbax time / ours.
@@ -16,10 +17,12 @@ uniform ones and against Flashbax's prioritised and uniform flat buffers, in the
 
 Run: `python -m benchmarks.bench_prioritised [--quick] [--capacity N]`. Never fails on speed.
 
-Figures (2 CPU cores, paired medians per round, benchmarks/README.md, 2026-11-25):
-prioritised/uniform sample 1.11 to 1.13x (target 1.1), prioritised/uniform add 1.67 to
-1.72x (target 1.5), `set_priorities` Flashbax/ours 0.93 to 0.97x (target 1.5), buffer
-sample 1e7/1e5 1.16x of the best times (target 1.5). What dominates: benchmarks/README.md.
+Figures (2 CPU cores, paired medians per round, benchmarks/README.md, 2026-11-25), one
+jitted call per operation / 20 operations in a `lax.scan`: prioritised/uniform sample 1.16
+to 1.17x / 1.05 to 1.11x (target 1.1), prioritised/uniform add 1.39 to 1.43x / 1.67 to
+1.71x (target 1.5), `set_priorities` Flashbax/ours 0.97 to 1.01x / 1.59 to 2.00x (target
+1.5), buffer sample 1e7/1e5 1.18x of the best times (target 1.5). What dominates:
+benchmarks/README.md.
 """
 
 import argparse

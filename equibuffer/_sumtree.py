@@ -229,8 +229,8 @@ class SumTree(eqx.Module):
         """Unchecked write of the `m` contiguous leaves `[start, start + m)` (which must lie in
         `[0, capacity)`), and every node above them recomputed from its children.
 
-        The same result as `write(start + arange(m), values)`, made only of contiguous
-        slices: at each level the nodes above the block are a run of at most
+        The same leaves and node sums as `write(start + arange(m), values)`, made only of
+        contiguous slices: at each level the nodes above the block are a run of at most
         `(m - 1) // fanout**level + 2`, recomputed from the run of their children. On CPU
         this avoids a scatter and a gather per level, which XLA splits across threads on a
         large tree (the hand-off costs more than a small write): a prioritised buffer with
@@ -251,11 +251,13 @@ class SumTree(eqx.Module):
         m = values.shape[0]
         start = jnp.asarray(start, jnp.int32)
         nodes = jax.lax.dynamic_update_slice(self.nodes, values.astype(jnp.float32), (start,))
-        lo, hi = start, start + m - 1
+        lo = start  # the first node above the block, level by level
         for level in range(1, len(sizes) - 1):
-            lo, hi = lo // k, hi // k
+            lo = lo // k
             real = sizes[level - 1] // k  # the nodes of this level that have children
-            count = min(real, (m - 1) // k**level + 2)  # covers [lo, hi]
+            # The nodes above the block are a run from `lo` of at most this many; the run
+            # read is moved back when it would pass the last real node (it still covers them).
+            count = min(real, (m - 1) // k**level + 2)
             first = jnp.clip(lo, 0, real - count)
             children = jax.lax.dynamic_slice(nodes, (offsets[level - 1] + first * k,), (count * k,))
             sums = children.reshape(count, k).sum(axis=1)

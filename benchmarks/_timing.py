@@ -1,13 +1,22 @@
 """Timing shared by the benchmark scripts: best-of-N wall time of a function whose result is
-blocked on, after warm-up (compilation) calls, and the alternating timing of two functions.
-Benchmarks report ratios, never assert speed."""
+blocked on, after warm-up (compilation) calls, the alternating timing of two functions, and
+forcing a sampled batch into memory. Benchmarks report ratios, never assert speed."""
 
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+
+def materialise(tree: Any) -> jax.Array:
+    """A float32 scalar that depends on every element of `tree` being computed in memory: the
+    optimisation barrier stops XLA from fusing a gather into its consumer (or slicing it down
+    to the one element read), as a learner's first matmul would."""
+    leaves = jax.lax.optimization_barrier(jax.tree.leaves(tree))
+    return jnp.stack([leaf.reshape(-1)[0].astype(jnp.float32) for leaf in leaves]).sum()
 
 
 def best_time(fn: Callable[[], Any], *, repeat: int = 20, warmup: int = 2) -> float:

@@ -37,7 +37,7 @@ import numpy as np
 
 import equibuffer as eb
 
-from ._timing import fmt_time, table
+from ._timing import fmt_time, materialise, table
 
 
 OBS = (32, 32, 3)
@@ -75,14 +75,6 @@ def _donated_loop(step: Callable[[Any], Any], state: Any) -> tuple[Callable[[], 
 
 def _scan_keys(n: int) -> jax.Array:
     return jax.random.split(jax.random.key(1), n)
-
-
-def _materialise(tree: Any) -> jax.Array:
-    """A scalar that depends on every element of `tree` being computed in memory: the
-    optimisation barrier stops XLA from fusing the gather into its consumer (or slicing it
-    down to the one element read), as a learner's first matmul would."""
-    leaves = jax.lax.optimization_barrier(jax.tree.leaves(tree))
-    return jnp.stack([leaf.reshape(-1)[0] for leaf in leaves]).sum()
 
 
 @dataclass
@@ -123,7 +115,7 @@ def _jit_sample(peer: Peer) -> Callable[[Any, jax.Array], Any]:
 def _jit_scan_sample(peer: Peer) -> Callable[[Any, jax.Array], Any]:
     def run(state, keys):
         def body(acc, key):
-            return acc + _materialise(peer.sample(state, key)), None
+            return acc + materialise(peer.sample(state, key)), None
 
         return jax.lax.scan(body, jnp.float32(0), keys)[0]
 

@@ -38,7 +38,7 @@ from equibuffer._buffers._prioritised import PrioritisedItemBuffer
 from equibuffer._buffers._queue import Queue
 from equibuffer._mixer import Mixer
 
-from ._timing import fmt_time, paired_times, table
+from ._timing import fmt_time, materialise, paired_times, table
 
 
 def _example(obs: int) -> dict[str, jax.Array]:
@@ -60,11 +60,6 @@ def _steps(rows: int, t: int, obs: int, seed: int = 0) -> dict[str, jax.Array]:
         "terminated": jax.random.uniform(k3, (rows, t)) < 0.02,
         "truncated": jax.random.uniform(k3, (rows, t)) > 0.99,
     }
-
-
-def _materialise(tree: Any) -> jax.Array:
-    leaves = jax.lax.optimization_barrier(jax.tree.leaves(tree))
-    return jnp.stack([leaf.reshape(-1)[0].astype(jnp.float32) for leaf in leaves]).sum()
 
 
 # --------------------------------------------------------------------------- queue
@@ -107,7 +102,7 @@ def bench_queue(rows: int, t: int, obs: int, k: int, repeat: int) -> list[dict[s
             q, acc = carry
             q, s = q.sample()
             q = eqx.tree_at(lambda x: x.unread, q, q.unread + t)
-            return (q, acc + _materialise(s.experience)), None
+            return (q, acc + materialise(s.experience)), None
 
         return jax.lax.scan(body, (q, jnp.float32(0)), None, length=k)[0][1]
 
@@ -116,7 +111,7 @@ def bench_queue(rows: int, t: int, obs: int, k: int, repeat: int) -> list[dict[s
         def body(carry, _):
             state, acc = carry
             state, s = fb.sample(state)
-            return (state, acc + _materialise(s.experience)), None
+            return (state, acc + materialise(s.experience)), None
 
         return jax.lax.scan(body, (state, jnp.float32(0)), None, length=k)[0][1]
 
@@ -126,7 +121,7 @@ def bench_queue(rows: int, t: int, obs: int, k: int, repeat: int) -> list[dict[s
         def body(carry, _):
             q, acc = carry
             q, s = q.add(batch).sample()
-            return (q, acc + _materialise(s.experience)), None
+            return (q, acc + materialise(s.experience)), None
 
         return jax.lax.scan(body, (q, jnp.float32(0)), None, length=k)[0]
 
@@ -135,7 +130,7 @@ def bench_queue(rows: int, t: int, obs: int, k: int, repeat: int) -> list[dict[s
         def body(carry, _):
             st, acc = carry
             st, s = fb.sample(fb.add(st, batch))
-            return (st, acc + _materialise(s.experience)), None
+            return (st, acc + materialise(s.experience)), None
 
         return jax.lax.scan(body, (state, jnp.float32(0)), None, length=k)[0]
 
@@ -207,7 +202,7 @@ def bench_n_step(
             sample = buffer.sample(key, batch_size).experience
             if fields:  # the n-step fields the issue names (`last` unused, so not gathered)
                 sample = [sample.first, sample.second, sample.reward, sample.discount]
-            return acc + _materialise(sample), None
+            return acc + materialise(sample), None
 
         return jax.lax.scan(body, jnp.float32(0), keys)[0]
 
@@ -253,7 +248,7 @@ def bench_episodes(
             prioritised = isinstance(buffer, eb.AbstractPrioritisedBuffer)
             sample = buffer.sample(key, batch_size, **({"beta": 0.4} if prioritised else {}))
             extra = getattr(sample, "mask", None)
-            return acc + _materialise((sample.experience, extra)), None
+            return acc + materialise((sample.experience, extra)), None
 
         return jax.lax.scan(body, jnp.float32(0), keys)[0]
 
@@ -316,7 +311,7 @@ def bench_mixer(
     @eqx.filter_jit
     def run_mixer(mixer, keys):
         def body(acc, key):
-            return acc + _materialise(mixer.sample(key, batch_size, beta=0.4)), None
+            return acc + materialise(mixer.sample(key, batch_size, beta=0.4)), None
 
         return jax.lax.scan(body, jnp.float32(0), keys)[0]
 
@@ -329,7 +324,7 @@ def bench_mixer(
             for i, buffer in enumerate(sources):
                 kw = {"beta": 0.4} if isinstance(buffer, PrioritisedItemBuffer) else {}
                 parts.append(buffer.sample(part_keys[i], counts[i], **kw))
-            return acc + _materialise(parts), None
+            return acc + materialise(parts), None
 
         return jax.lax.scan(body, jnp.float32(0), keys)[0]
 

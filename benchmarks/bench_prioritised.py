@@ -40,7 +40,7 @@ from equibuffer._buffers._prioritised import PrioritisedItemBuffer, PrioritisedT
 from equibuffer._buffers._transition import TransitionBuffer
 from equibuffer._sumtree import _layout, SumTree
 
-from ._timing import best_time, fmt_time, paired_times, table
+from ._timing import best_time, fmt_time, materialise, paired_times, table
 
 
 OBS = (32, 32, 3)
@@ -220,8 +220,7 @@ def _in_scan(peer: dict[str, Any], k: int) -> dict[str, Callable[..., Any]]:
 
     def sample(state: Any, key: Any) -> Any:
         def body(acc: Any, key: Any) -> Any:
-            leaves = jax.lax.optimization_barrier(jax.tree.leaves(peer["sample"](state, key)))
-            return acc + sum(leaf.reshape(-1)[0].astype(jnp.float32) for leaf in leaves), None
+            return acc + materialise(peer["sample"](state, key)), None
 
         return jax.lax.scan(body, jnp.float32(0), jax.random.split(key, k))[0]
 

@@ -222,8 +222,7 @@ class SumTree(eqx.Module):
             sums = nodes[below : below + size_below].reshape(-1, k).sum(axis=1)
             sums = _pad_to(sums, sizes[level])
             nodes = jax.lax.dynamic_update_slice(nodes, sums, (offsets[level],))
-        top = nodes[offsets[-3] : offsets[-2]]
-        return eqx.tree_at(lambda t: t.nodes, self, nodes.at[-1].set(jnp.sum(top)))
+        return self._with_root(nodes)
 
     def write_block(self, start: Int[ArrayLike, ""], values: Float[Array, " m"]) -> "SumTree":
         """Unchecked write of the `m` contiguous leaves `[start, start + m)` (which must lie in
@@ -262,8 +261,7 @@ class SumTree(eqx.Module):
             children = jax.lax.dynamic_slice(nodes, (offsets[level - 1] + first * k,), (count * k,))
             sums = children.reshape(count, k).sum(axis=1)
             nodes = jax.lax.dynamic_update_slice(nodes, sums, (offsets[level] + first,))
-        top = nodes[offsets[-3] : offsets[-2]]
-        return eqx.tree_at(lambda t: t.nodes, self, nodes.at[-1].set(jnp.sum(top)))
+        return self._with_root(nodes)
 
     # --------------------------------------------------------------- sampling
 
@@ -354,6 +352,12 @@ class SumTree(eqx.Module):
         return jnp.minimum(node, self.capacity - 1), value
 
     # ---------------------------------------------------------------- helpers
+
+    def _with_root(self, nodes: Float[Array, " nodes"]) -> "SumTree":
+        """The tree holding `nodes`, its root recomputed as the sum of the top level."""
+        _, offsets = _layout(self.capacity, self.fanout, self.top)
+        top = nodes[offsets[-3] : offsets[-2]]
+        return eqx.tree_at(lambda t: t.nodes, self, nodes.at[-1].set(jnp.sum(top)))
 
     def _check_indices(self, where: str, indices: Int[ArrayLike, " batch"]) -> Int[Array, " b"]:
         """Static checks (shape, dtype); the range is checked by the caller, with the rest."""

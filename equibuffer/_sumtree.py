@@ -225,15 +225,20 @@ class SumTree(eqx.Module):
         return self._with_root(nodes)
 
     def write_block(self, start: Int[ArrayLike, ""], values: Float[Array, " m"]) -> "SumTree":
-        """Unchecked write of the `m` contiguous leaves `[start, start + m)` (which must lie in
-        `[0, capacity)`), and every node above them recomputed from its children.
+        """Unchecked write of the `m` contiguous leaves `start, start + 1, ...` (`start` in
+        `[0, capacity)`, `m <= capacity`), wrapping around from the last leaf to leaf 0 as a
+        ring does, and every node above them recomputed from its children.
 
-        The same leaves and node sums as `write(start + arange(m), values)`, made only of
-        contiguous slices: at each level the nodes above the block are a run of at most
+        The same leaves and node sums as `write((start + arange(m)) % capacity, values)`,
+        made only of contiguous slices, with no branch: the leaves are written as two runs
+        of `m`, one ending at or after the block's end before the wrap (`min(start,
+        capacity - m)`) and one at leaf 0, each keeping the leaves it covers outside the
+        block; at each level the nodes above each run are a run of at most
         `(m - 1) // fanout**level + 2`, recomputed from the run of their children. On CPU
         this avoids a scatter and a gather per level, which XLA splits across threads on a
-        large tree (the hand-off costs more than a small write): a prioritised buffer with
-        one row writes its new windows' leaves with it.
+        large tree (the hand-off costs more than a small write), and a `lax.cond` on the
+        wrap (a branch costs about as much as the write): a prioritised buffer with one row
+        writes its new windows' leaves with it.
 
         !!! example
 
@@ -243,24 +248,44 @@ class SumTree(eqx.Module):
 
             tree = eb.SumTree(100).write_block(jnp.int32(40), jnp.array([1.0, 2.0, 3.0]))
             assert float(tree.total()) == 6.0 and tree.get(jnp.array([41])).tolist() == [2.0]
+            wrapped = tree.write_block(jnp.int32(99), jnp.array([4.0, 5.0]))  # leaves 99, 0
+            assert wrapped.get(jnp.array([99, 0])).tolist() == [4.0, 5.0]
             ```
         """
-        k = self.fanout
-        sizes, offsets = _layout(self.capacity, self.fanout, self.top)
+        k, capacity = self.fanout, self.capacity
+        sizes, offsets = _layout(capacity, k, self.top)
         m = values.shape[0]
+        if m > capacity:
+            raise ValueError(
+                f"SumTree.write_block(): {m} values for a tree of capacity {capacity}."
+            )
+        values = values.astype(jnp.float32)
         start = jnp.asarray(start, jnp.int32)
-        nodes = jax.lax.dynamic_update_slice(self.nodes, values.astype(jnp.float32), (start,))
-        lo = start  # the first node above the block, level by level
+        # The two runs of leaves: `[head, head + m)` holds the block up to the wrap (all of
+        # it when it does not wrap), `[0, m)` the part after the wrap (none of it when it
+        # does not wrap: the run then writes back what it read).
+        head = jnp.minimum(start, capacity - m)
+        pos = jnp.arange(m, dtype=jnp.int32)
+        nodes = self.nodes
+        for run, j in ((head, head + pos - start), (jnp.int32(0), pos + capacity - start)):
+            new = (j >= 0) & (j < m)
+            old = jax.lax.dynamic_slice(nodes, (run,), (m,))
+            picked = jnp.where(new, values[jnp.clip(j, 0, m - 1)], old)
+            nodes = jax.lax.dynamic_update_slice(nodes, picked, (run,))
+        lo = head  # the first node above the first run, level by level
         for level in range(1, len(sizes) - 1):
             lo = lo // k
             real = sizes[level - 1] // k  # the nodes of this level that have children
-            # The nodes above the block are a run from `lo` of at most this many; the run
-            # read is moved back when it would pass the last real node (it still covers them).
+            # The nodes above a run of leaves are a run from `lo` of at most this many; the
+            # run read is moved back when it would pass the last real node (it still covers
+            # them). The second run starts at node 0.
             count = min(real, (m - 1) // k**level + 2)
-            first = jnp.clip(lo, 0, real - count)
-            children = jax.lax.dynamic_slice(nodes, (offsets[level - 1] + first * k,), (count * k,))
-            sums = children.reshape(count, k).sum(axis=1)
-            nodes = jax.lax.dynamic_update_slice(nodes, sums, (offsets[level] + first,))
+            for first in (jnp.clip(lo, 0, real - count), jnp.int32(0)):
+                children = jax.lax.dynamic_slice(
+                    nodes, (offsets[level - 1] + first * k,), (count * k,)
+                )
+                sums = children.reshape(count, k).sum(axis=1)
+                nodes = jax.lax.dynamic_update_slice(nodes, sums, (offsets[level] + first,))
         return self._with_root(nodes)
 
     # --------------------------------------------------------------- sampling

@@ -145,16 +145,18 @@ def test_find_and_sample_match_numpy(case, seed):
 @settings(max_examples=20, deadline=None)
 @given(_updates(), st.data())
 def test_write_block_matches_write(case, data):
-    # A block of contiguous leaves written with slices only gives the tree `write` gives.
+    # A block of contiguous leaves, wrapping from the last leaf to leaf 0 or not, written
+    # with slices only gives the tree `write` gives.
     tree, ref = _built(case)
     capacity = tree.capacity
     m = data.draw(st.integers(1, capacity), label="m")
-    start = data.draw(st.integers(0, capacity - m), label="start")
+    start = data.draw(st.integers(0, capacity - 1), label="start")
     values = np.asarray(data.draw(st.lists(st.floats(0, 10, width=32), min_size=m, max_size=m)))
     block = _write_block(tree, jnp.int32(start), jnp.asarray(values, np.float32))
-    ref[start : start + m] = values
+    leaves = (start + np.arange(m)) % capacity
+    ref[leaves] = values
     _check_against(block, ref)
-    scattered = tree.write(jnp.arange(start, start + m), jnp.asarray(values, np.float32))
+    scattered = tree.write(jnp.asarray(leaves), jnp.asarray(values, np.float32))
     np.testing.assert_allclose(np.asarray(block.nodes), np.asarray(scattered.nodes), rtol=1e-6)
 
 
@@ -280,6 +282,8 @@ def test_construction_and_shape_errors():
         SumTree(8).set(jnp.array([0, 1]), jnp.array([1.0]))
     with pytest.raises(Exception, match="indices"):
         SumTree(8).get(jnp.array([0.0]))
+    with pytest.raises(ValueError, match="3 values for a tree of capacity 2"):
+        SumTree(2).write_block(jnp.int32(0), jnp.ones(3))
 
 
 def test_jit_does_not_retrace_and_vmaps():

@@ -8,7 +8,6 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from equinox.internal import unvmap_all
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from .._checks import check_positive_int
@@ -110,23 +109,15 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
         rel = offset - first
         valid = (offset >= 0) & (rel >= 0) & (rel % self.period == 0)
         valid = valid & (rel // self.period < count)
-        slots = (storage.head - m + jnp.arange(m, dtype=jnp.int32)) % length
-        indices = flat_indices(rows, length, slots)
         fresh = self.max_priority**self.alpha
         values = jnp.broadcast_to(jnp.where(valid, fresh, 0.0), (rows, m)).reshape(-1)
         if rows == 1:
-            # One row: the leaves are one block of slots unless it wraps the ring's end. A
-            # block write is contiguous slices only (no per-level scatter and gather); the
-            # predicate is reduced over vmapped axes so that `vmap` keeps the cond.
-            start = (storage.head - m) % length
-            tree = jax.lax.cond(
-                unvmap_all(start + m <= length),
-                lambda t: t.write_block(start, values),
-                lambda t: t.write(indices, values),
-                self.tree,
-            )
+            # One row: the leaves are one block of slots, wrapping the ring's end as the tree's
+            # (a block write is contiguous slices only: no per-level scatter and gather).
+            tree = self.tree.write_block((storage.head - m) % length, values)
         else:
-            tree = self.tree.write(indices, values)
+            slots = (storage.head - m + jnp.arange(m, dtype=jnp.int32)) % length
+            tree = self.tree.write(flat_indices(rows, length, slots), values)
         return eqx.tree_at(lambda b: (b.storage, b.tree), self, (storage, tree))
 
     def sample(

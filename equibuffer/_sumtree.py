@@ -206,7 +206,7 @@ class SumTree(eqx.Module):
 
         def level_up(level: Int[Array, ""], carry: tuple[Array, Array]) -> tuple[Array, Array]:
             nodes, node = carry
-            node = node // k
+            node = jax.lax.div(node, jnp.int32(k))  # (indices are non-negative)
             starts = jnp.asarray(offsets, jnp.int32)
             children = _rows(nodes, starts[level - 1] + node * k, k)
             nodes = nodes.at[starts[level] + node].set(
@@ -274,17 +274,18 @@ class SumTree(eqx.Module):
             nodes = jax.lax.dynamic_update_slice(nodes, picked, (run,))
         lo = head  # the first node above the first run, level by level
         for level in range(1, len(sizes) - 1):
-            lo = lo // k
+            lo = jax.lax.div(lo, jnp.int32(k))  # (non-negative: the C division is the floor)
             real = sizes[level - 1] // k  # the nodes of this level that have children
             # The nodes above a run of leaves are a run from `lo` of at most this many; the
             # run read is moved back when it would pass the last real node (it still covers
-            # them). The second run starts at node 0.
+            # them). The second run starts at node 0 (aligned: one node fewer).
             count = min(real, (m - 1) // k**level + 2)
-            for first in (jnp.clip(lo, 0, real - count), jnp.int32(0)):
-                children = jax.lax.dynamic_slice(
-                    nodes, (offsets[level - 1] + first * k,), (count * k,)
-                )
-                sums = children.reshape(count, k).sum(axis=1)
+            runs = [(jnp.clip(lo, 0, real - count), count)]
+            if count < real:  # (else the first run is the whole level)
+                runs.append((jnp.int32(0), min(real, (m - 1) // k**level + 1)))
+            for first, n in runs:
+                children = jax.lax.dynamic_slice(nodes, (offsets[level - 1] + first * k,), (n * k,))
+                sums = children.reshape(n, k).sum(axis=1)
                 nodes = jax.lax.dynamic_update_slice(nodes, sums, (offsets[level] + first,))
         return self._with_root(nodes)
 

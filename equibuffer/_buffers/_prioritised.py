@@ -107,14 +107,18 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
         first, count = window_layout(storage, self.sequence_length, self.period)
         offset = storage.fill - m + jnp.arange(m, dtype=jnp.int32)  # from the oldest held step
         rel = offset - first
-        valid = (offset >= 0) & (rel >= 0) & (rel % self.period == 0)
-        valid = valid & (rel // self.period < count)
+        valid = (offset >= 0) & (rel >= 0)
+        if self.period == 1:  # (static: no integer division, a dozen ops each on CPU)
+            valid = valid & (rel < count)
+        else:
+            valid = valid & (rel % self.period == 0) & (rel // self.period < count)
         fresh = self.max_priority**self.alpha
         values = jnp.broadcast_to(jnp.where(valid, fresh, 0.0), (rows, m)).reshape(-1)
         if rows == 1:
             # One row: the leaves are one block of slots, wrapping the ring's end as the tree's
             # (a block write is contiguous slices only: no per-level scatter and gather).
-            tree = self.tree.write_block((storage.head - m) % length, values)
+            start = jax.lax.rem(storage.head - m + length, jnp.int32(length))  # (non-negative)
+            tree = self.tree.write_block(start, values)
         else:
             slots = (storage.head - m + jnp.arange(m, dtype=jnp.int32)) % length
             tree = self.tree.write(flat_indices(rows, length, slots), values)

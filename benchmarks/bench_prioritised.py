@@ -17,11 +17,12 @@ uniform ones and against Flashbax's prioritised and uniform flat buffers, in the
 
 Run: `python -m benchmarks.bench_prioritised [--quick] [--capacity N]`. Never fails on speed.
 
-Figures (2 CPU cores, paired medians per round, benchmarks/README.md, 2026-11-25), one
-jitted call per operation / 20 operations in a `lax.scan`: prioritised/uniform sample 1.16
-to 1.17x / 1.05 to 1.11x (target 1.1), prioritised/uniform add 1.39 to 1.43x / 1.67 to
-1.71x (target 1.5), `set_priorities` Flashbax/ours 0.97 to 1.01x / 1.59 to 2.00x (target
-1.5), buffer sample 1e7/1e5 1.18x of the best times (target 1.5). What dominates:
+Figures (2 CPU cores, paired medians per round, benchmarks/README.md, 2026-11-25, stop 11),
+one jitted call per operation / 20 operations in a `lax.scan`: prioritised/uniform sample 1.12
+to 1.13x / 1.04 to 1.07x (target 1.1), prioritised/uniform add 1.37 to 1.43x / 1.27 to 1.32x
+(target 1.5), `set_priorities` Flashbax/ours 0.85 to 0.96x / 2.07 to 2.13x (target 1.5; a
+single call is mostly dispatch: the module's pytree flatten and a worker-thread hand-off),
+buffer sample 1e7/1e5 1.12x of the best times (target 1.5). What dominates:
 benchmarks/README.md.
 """
 

@@ -421,6 +421,16 @@ def _pad_to(x: Array, n: int) -> Array:
 _COLUMNS = 32
 
 
+def _sums_in_order(columns: list[Float[Array, " b"]]) -> list[Float[Array, " b"]]:
+    """The running sums of `columns`, added one after the other (elementwise, so XLA fuses
+    them into what reads them). Float addition of non-negative numbers is monotone: they
+    never decrease."""
+    sums = [columns[0]]
+    for column in columns[1:]:
+        sums.append(sums[-1] + column)
+    return sums
+
+
 def _descend(
     children: Float[Array, "b n"], u: Float[Array, " batch"]
 ) -> tuple[Int[Array, " batch"], Float[Array, " batch"], Float[Array, " batch"]]:
@@ -443,9 +453,7 @@ def _descend(
     n = children.shape[1]
     if n <= _COLUMNS:
         cols = [children[:, j] for j in range(n)]
-        sums = [cols[0]]
-        for col in cols[1:]:
-            sums.append(sums[-1] + col)
+        sums = _sums_in_order(cols)
         below = [(s <= u) & (s < sums[-1]) for s in sums]
         child = sum(b.astype(jnp.int32) for b in below)
         before = jnp.zeros_like(u)
@@ -459,10 +467,7 @@ def _descend(
     if children.shape[0] == 1:  # a wide top level, shared by the batch: summed once
         running = jax.lax.cummax(jnp.cumsum(children, axis=1), axis=1)
     else:  # (on CPU a cumsum is a window reduction, quadratic in the row's length)
-        sums = [children[:, 0]]
-        for j in range(1, n):
-            sums.append(sums[-1] + children[:, j])
-        running = jnp.stack(sums, axis=1)
+        running = jnp.stack(_sums_in_order([children[:, j] for j in range(n)]), axis=1)
     below = (running <= u[:, None]) & (running < running[:, -1:])
     first = ~below & jnp.pad(below[:, :-1], ((0, 0), (1, 0)), constant_values=True)
     below_sums = jnp.where(below, running, 0.0)

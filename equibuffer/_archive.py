@@ -68,6 +68,7 @@ _INT64_MAX = (1 << 63) - 1
 _CHUNK_BYTES = 1 << 17  # target uncompressed bytes of one chunk (one row)
 _SHARD_BYTES = 16 << 20  # target uncompressed bytes of one shard (all rows)
 _BLOCK_BYTES = 32 << 20  # target uncompressed bytes of one read block (all rows)
+_INLINE_BYTES = 1 << 20  # writes smaller than this run in the calling thread
 _THREADS = max(4, 2 * (os.cpu_count() or 1))
 _MAX_CHUNK_STEPS = 1 << 14
 
@@ -462,6 +463,21 @@ class _Objects:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
 
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Replace several objects, each as `put` does (concurrently on a store)."""
+        if self.root is not None:
+            for key, data in items:
+                self.put(key, [data])
+            return
+        proto = default_buffer_prototype()
+
+        async def put_all() -> None:
+            await asyncio.gather(
+                *(self.store.set(key, proto.buffer.from_bytes(data)) for key, data in items)
+            )
+
+        sync(put_all())
+
 
 def _fsync_path(path: str) -> None:
     """Flush a file's data, or a directory's entries (renames), to disk."""
@@ -679,18 +695,20 @@ class Archive:
     it returns, so there the ordering alone suffices.
 
     Cost of a write: a few small objects per call (the lock checked, each array's shape and
-    then the commit rewritten: about 17 ms on a local disk, measured), plus the data: every
-    chunk the new steps touch is encoded, and every shard they touch is written whole. The
-    last shard is usually partial, so each write also reads it back and rewrites it (its
-    committed chunks copied as stored, a partial chunk decoded and completed): a write of few
-    steps costs about as much as rewriting up to a whole shard (`shard_steps` steps of every
-    row, ~16 MiB raw by default). Measured (`benchmarks/README.md`, `(32, 32, 3)` uint8, 8
-    rows, default shards of 512 steps): 26 ms per write of 1 step (1 MB/s), 28 ms per write
-    of 16 steps (14 MB/s), 43 ms per write of 256 steps (145 MB/s), against 290 MB/s for
-    writes of 2048 steps. So write in blocks of hundreds of steps or more (once every
-    `max_length` steps is the natural rhythm); for frequent small writes choose a small
-    `shard_steps` (or `0`: one object per chunk), whose rewrite is cheaper, and mind that
-    the fixed per-call cost then dominates.
+    then the commit rewritten, without a round trip through zarr's event loop on a local
+    directory: about 4 ms per call for small leaves on a local disk, measured), plus the
+    data: every chunk the new steps touch is encoded, and every shard they touch is written
+    whole. The last shard is usually partial, so each write also rewrites it (its committed
+    chunks as stored, its partial chunk completed; the writer keeps both from its previous
+    write, so only a reopened writer reads them back): a write of few steps costs about as
+    much as rewriting up to a whole shard (`shard_steps` steps of every row, ~16 MiB raw by
+    default). Measured (`benchmarks/README.md`, `(32, 32, 3)` uint8, 8 rows, default shards
+    of 512 steps): 8 ms per write of 1 step, 8.5 ms per write of 16 steps (46 MB/s), 18 ms
+    per write of 256 steps (340 MB/s), against 520 to 580 MB/s for writes of 2048 steps; 7
+    ms per write of 1 or 16 steps with `shard_steps=0` (one object per chunk). So write in
+    blocks of hundreds of steps or more where you can (once every `max_length` steps is the
+    natural rhythm); for frequent small writes choose a small `shard_steps` (or `0`), whose
+    rewrite is cheaper.
 
     This is host-side I/O: call it outside `jit`.
 
@@ -950,6 +968,12 @@ class Archive:
         }
         # Every chunk (or shard) is read and written by this module itself.
         self._objects = objects = _Objects(self.store, self.fsync)
+        # A writer's copies of the metadata documents it rewrites (read when first needed).
+        self._records: dict[str, dict | None] | None = None
+        self._group_record: dict | None = None
+        # `(length, data)`: the partly filled chunks (or shard) the last write ended with.
+        self._tail: tuple[int, Any] | None = None
+        self._next_tail: tuple[int, Any] | None = None
         self._chunks: list[Any] = []
         for leaf in self.leaves:
             array = self._arrays[leaf.name]
@@ -1064,7 +1088,8 @@ class Archive:
             raise PermissionError(f"{where}: the archive was opened with mode='r' (read-only).")
         if self._token is None:
             raise PermissionError(f"{where}: the archive was closed; open it again to write.")
-        held = _get_json(self.store, _LOCK_KEY)
+        raw = self._objects.get(_LOCK_KEY)
+        held = None if raw is None else json.loads(raw)
         other = None if held is None else held["attributes"][_ATTR + "_lock"]
         if other is None or other["token"] != self._token:
             self._token = None
@@ -1139,6 +1164,7 @@ class Archive:
                 parts = [np.asarray(jax.device_get(x[:, a:b])) for a, b in pieces]
             block = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
             host.append(block.view(np.dtype(leaf.stored)))
+        self._next_tail = None
         self._append(host)
         gaps = c.gaps
         first = c.first_step
@@ -1147,6 +1173,7 @@ class Archive:
         elif lost:
             gaps = (*gaps, (c.length, lost))
         self._commit_state(_Commit(c.length + keep, total, first, gaps))
+        self._tail = self._next_tail  # kept only once committed
         return keep
 
     def _append(self, host: list[np.ndarray]) -> None:
@@ -1155,46 +1182,75 @@ class Archive:
         old = self._commit.length
         k = host[0].shape[1]
         new = old + k
-        for leaf in self.leaves:
-            self._arrays[leaf.name].resize((self.rows, new, *leaf.shape))
+        # What the last write left of a partly filled chunk or shard, if it ended at `old`;
+        # dropped now, so that a write that fails midway leaves none behind.
+        tail, self._tail = self._tail, None
+        tail = tail[1] if tail is not None and tail[0] == old else None
+        self._resize(new)
         if self.shard_steps is None:
-            self._append_chunks(host, old, new)
+            self._append_chunks(host, old, new, tail)
         else:
-            self._append_shards(host, old, new)
+            self._append_shards(host, old, new, tail)
 
-    def _append_chunks(self, host: list[np.ndarray], old: int, new: int) -> None:
+    def _resize(self, length: int) -> None:
+        """Set every leaf array's time length in its metadata document (what zarr's `resize`
+        writes for growth, without its per-array round trips): the documents read once, then
+        replaced with the new shape only."""
+        if self._records is None:
+            self._records = {
+                leaf.name: _get_json(self.store, f"{leaf.name}/zarr.json") for leaf in self.leaves
+            }
+        items = []
+        for leaf in self.leaves:
+            record = self._records[leaf.name]
+            assert record is not None
+            record["shape"] = [self.rows, length, *leaf.shape]
+            items.append((f"{leaf.name}/zarr.json", json.dumps(record).encode()))
+        self._objects.put_many(items)
+
+    def _append_chunks(self, host: list[np.ndarray], old: int, new: int, tail: dict | None) -> None:
         """Unsharded: encode and put every chunk that steps `[old, new)` touch, concurrently.
-        A chunk already holding committed steps is read, completed and replaced whole."""
+        A chunk already holding committed steps is completed and replaced whole: its steps
+        come from `tail` (`(leaf, row) -> the chunk`, kept by the previous write of this
+        writer) or are read back."""
         cs = self.chunk_steps
         tasks = [
-            (chunks, block, r, c)
-            for chunks, block in zip(self._chunks, host, strict=True)
+            (li, r, c)
+            for li in range(len(self._chunks))
             for r in range(self.rows)
             for c in range(old // cs, -(-new // cs))
         ]
+        keep: dict[tuple[int, int], np.ndarray] = {}
 
-        def put(task: tuple[_Chunks, np.ndarray, int, int]) -> int:
-            chunks, block, r, c = task
+        def put(task: tuple[int, int, int]) -> int:
+            li, r, c = task
+            chunks, block = self._chunks[li], host[li]
             a, b = max(old, c * cs), min(new, (c + 1) * cs)
             if a == c * cs and b == (c + 1) * cs:
                 x = block[r, a - old : b - old]
             else:
                 x = np.zeros(chunks.shape, chunks.dtype)
                 if a > c * cs:
-                    prev = chunks.get(r, c)
+                    prev = tail[(li, r)] if tail is not None else chunks.get(r, c)
                     if prev is not None:
                         x[: a - c * cs] = prev[: a - c * cs]
                 x[a - c * cs : b - c * cs] = block[r, a - old : b - old]
+                if b < (c + 1) * cs:
+                    keep[(li, r)] = x  # the new partial chunk (a copy: never the ring's)
             chunks.put(r, c, x)
             return b - a
 
-        self._run_writes(put, tasks, (new - old) * self.rows * len(self.leaves))
+        self._run_writes(put, tasks, (new - old) * self.rows * len(self.leaves), host)
+        self._next_tail = (new, keep) if new % cs else None
 
-    def _append_shards(self, host: list[np.ndarray], old: int, new: int) -> None:
+    def _append_shards(
+        self, host: list[np.ndarray], old: int, new: int, tail: tuple | None
+    ) -> None:
         """Sharded: encode the chunks that steps `[old, new)` touch concurrently (one task per
         leaf, shard and row) and write each shard once, whole, as soon as its chunks are
         encoded. The shard already holding committed steps keeps their encoded chunks as
-        stored (a chunk holding some is decoded, completed and encoded again)."""
+        stored (a chunk holding some is decoded, completed and encoded again); both come
+        from `tail` (kept by this writer's previous write) or are read back."""
         assert self.shard_steps is not None
         shards_of: list[_Shards] = self._chunks
         cs, ss = self.chunk_steps, self.shard_steps
@@ -1202,7 +1258,9 @@ class Archive:
         first, last = old // ss, -(-new // ss)
         kept: list[dict[tuple[int, int], Any]] = [{} for _ in shards_of]
         prefix: list[dict[int, np.ndarray]] = [{} for _ in shards_of]
-        if old % ss:
+        if old % ss and tail is not None:
+            kept, prefix = tail
+        elif old % ss:
             for li, shards in enumerate(shards_of):
                 got = shards.get_shard(first)
                 if got is None:
@@ -1242,8 +1300,13 @@ class Archive:
                     if a > c * cs and r in prefix[li]:
                         x[: a - c * cs] = prefix[li][r][: a - c * cs]
                     x[a - c * cs : b - c * cs] = block[r, a - old : b - old]
-                mine[(r, c - s * per)] = shards.encode(x)
+                data = mine[(r, c - s * per)] = shards.encode(x)
                 done += b - a
+                if s == last - 1 and new % ss:  # what the next write starts from
+                    if b < (c + 1) * cs:
+                        next_prefix[li][r] = np.array(x)  # a copy: never the ring's
+                    else:
+                        next_kept[li][(r, c - s * per)] = bytes(data)
             with lock:
                 encoded[(li, s)].update(mine)
                 pending[(li, s)] -= 1
@@ -1252,11 +1315,21 @@ class Archive:
                 shards.put_shard(s, encoded.pop((li, s)))
             return done
 
-        self._run_writes(encode, tasks, (new - old) * self.rows * len(self.leaves))
+        # The complete chunks and the partial chunk of the last shard, if it is partial.
+        next_kept: list[dict[tuple[int, int], Any]] = [
+            dict(kept[li]) if last - 1 == first else {} for li in range(len(shards_of))
+        ]
+        next_prefix: list[dict[int, np.ndarray]] = [{} for _ in shards_of]
+        self._run_writes(encode, tasks, (new - old) * self.rows * len(self.leaves), host)
+        self._next_tail = (new, (next_kept, next_prefix)) if new % ss else None
 
-    def _run_writes(self, work: Callable[[Any], int], tasks: Any, total: int) -> None:
-        """Run `work` over `tasks` on the I/O thread pool, a progress bar counting the steps
-        each returns."""
+    def _run_writes(
+        self, work: Callable[[Any], int], tasks: Any, total: int, host: list[np.ndarray]
+    ) -> None:
+        """Run `work` over `tasks` on the I/O thread pool (in this thread for a write of less
+        than `_INLINE_BYTES`, where handing tasks to threads costs more than it saves), a
+        progress bar counting the steps each returns."""
+        small = sum(x.nbytes for x in host) < _INLINE_BYTES
         with tqdm(
             total=total,
             unit="step",
@@ -1264,12 +1337,12 @@ class Archive:
             disable=not self.progress,
             delay=self._progress_delay,
         ) as bar:
-            for done in _pool().map(work, tasks):
+            for done in map(work, tasks) if small else _pool().map(work, tasks):
                 bar.update(done)
 
     def _commit_state(self, commit: _Commit) -> None:
         meta = dict(self._meta, committed=commit.as_json())
-        root = self.store.root if isinstance(self.store, zarr.storage.LocalStore) else None
+        root = self._objects.root
         if self.fsync and root is not None:
             # Everything the commit covers reaches the disk first: the objects (flushed as
             # written), their directory entries, and the arrays' metadata (their new shape).
@@ -1277,15 +1350,17 @@ class Archive:
                 _fsync_path(os.path.join(root, leaf.name, "zarr.json"))
             for folder in self._objects.dirs:
                 _fsync_path(folder)
-            record = _get_json(self.store, "zarr.json")
-            assert record is not None
-            record.setdefault("attributes", {})[_ATTR] = meta
-            objects = _Objects(self.store, fsync=True)
-            objects.put("zarr.json", [json.dumps(record).encode()])
+        # The group's document, read once by this writer (the only one: nothing else changes
+        # it), replaced whole with the new commit: one atomic object write (a renamed file,
+        # flushed first with fsync; one PUT on a store).
+        if self._group_record is None:
+            self._group_record = _get_json(self.store, "zarr.json")
+        record = self._group_record
+        assert record is not None
+        record.setdefault("attributes", {})[_ATTR] = meta
+        self._objects.put("zarr.json", [json.dumps(record).encode()])
+        if self.fsync and root is not None:
             _fsync_path(str(root))
-        else:
-            group = zarr.open_group(self.store, mode="r+", zarr_format=3)
-            group.update_attributes({_ATTR: meta})
         self._meta, self._commit = meta, commit
 
     # ------------------------------------------------------------------------------ reading

@@ -436,6 +436,42 @@ def test_compression_and_chunk_options(tmp_path):
         Archive(str(tmp_path / "bad2"), big, compression="gzip")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("shard_steps", [None, 8, 0], ids=["one-shard", "shards", "unsharded"])
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_a_writer_continues_its_partial_chunks_as_a_reopened_one_reads_them(
+    tmp_path, shard_steps, compression
+):
+    """Writes of a few steps: a writer keeps the partly filled chunks (and shard) its last write
+    ended with and continues from them; a writer reopened before every write reads them back.
+    Both leave the same objects, byte for byte, and the data added. What a writer keeps is
+    its own copy: a view of the ring would keep the ring's arrays alive, and every donated
+    add would then copy the whole ring instead of writing in place."""
+    add_in_place = eqx.filter_jit(lambda b, batch: b.add(batch), donate="all")
+    opts = dict(chunk_steps=4, shard_steps=shard_steps, compression=compression, progress=False)
+    kept_path, reopened_path = tmp_path / "kept", tmp_path / "reopened"
+    buffer = new_buffer()
+    kept = Archive(str(kept_path), buffer, **opts)
+    rng = np.random.default_rng(1)
+    total = 0
+    for _ in range(14):
+        n = int(rng.integers(1, 7))
+        batch = values(ROWS, total, n)
+        ring = jax.tree.leaves(buffer.storage.data)
+        buffer = add_in_place(buffer, {k: jnp.asarray(v) for k, v in batch.items()})
+        assert all(x.is_deleted() for x in ring)  # donated: no archive holds a view of it
+        total += n
+        assert kept.write(buffer) == n
+        with Archive(str(reopened_path), buffer, **opts) as reopened:
+            assert reopened.write(buffer) == n
+    kept.close()
+    assert_tree_equal(Archive(str(kept_path), mode="r").read(), expected(0, total))
+    files = sorted(p.relative_to(reopened_path) for p in reopened_path.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(kept_path) for p in kept_path.rglob("*") if p.is_file())
+    assert len(files) > 4
+    for f in files:
+        assert (kept_path / f).read_bytes() == (reopened_path / f).read_bytes(), f
+
+
 def test_progress_bar_can_be_shown_or_turned_off(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(Archive, "_progress_delay", 0.0)
     buffer = add(new_buffer(), 20)

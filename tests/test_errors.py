@@ -31,7 +31,8 @@ def test_wrong_tree_structure_names_missing_and_extra_leaves():
 
 def test_wrong_leaf_shape_names_leaf_expected_and_received():
     msg = (
-        "add(): leaf ['obs'] has shape (4, 5), expected (add_batch_size=4, 3) for one step "
+        "TrajectoryBuffer.add(): leaf ['obs'] has shape (4, 5), expected (add_batch_size=4, 3) "
+        "for one step "
         "or (add_batch_size=4, T, 3) for T steps."
     )
     with pytest.raises(ValueError, match=re.escape(msg)):

@@ -89,7 +89,11 @@ SCRIPT = textwrap.dedent(
 
 
 def test_sharded_buffers_match_one_device():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",  # two host devices, also on a machine with an accelerator
+    }
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600
     )

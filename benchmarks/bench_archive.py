@@ -34,7 +34,7 @@ import equibuffer as eb
 from equibuffer import _archive
 from equibuffer._archive import Archive, Compression, ring_holding
 
-from ._timing import table
+from ._timing import fmt_time, table
 
 
 ROWS, SHAPE, SEQ = 8, (32, 32, 3), 8
@@ -364,6 +364,46 @@ def small_writes(folder: str, dtype: str, steps: int, block: int) -> list[dict]:
     return out
 
 
+def background_writes(folder: str, dtype: str, block: int, writes: int, train_ms: float) -> list:
+    """A training loop that writes a block of `block` steps per row after each training
+    phase of `train_ms` (a sleep: the host waiting on an accelerator), with no write (the
+    loop alone: the phases and refilling the ring), `write` and `write_async`: how long each
+    call holds the loop, and the loop's wall time."""
+    source = frames(ROWS, block, seed=1)
+    obs = source if dtype == "uint8" else (source / 255).astype(np.float32)
+    out = []
+    for how in ("none", "write", "write_async"):
+        example = {"obs": jnp.zeros(SHAPE, obs.dtype)}
+        ring = eb.RingStorage(example, rows=ROWS, length=block)
+        path = os.path.join(folder, f"bg-{how}.zarr")
+        archive = Archive(path, ring, progress=False)
+        held = []
+        t_loop = time.perf_counter()
+        for i in range(writes):
+            time.sleep(train_ms / 1e3)
+            ring = ring_holding(ring, [np.roll(obs, i, axis=1)], (i + 1) * block)
+            t0 = time.perf_counter()
+            if how != "none":
+                getattr(archive, how)(ring)
+            held.append(time.perf_counter() - t0)
+        archive.close()  # waits for the background writes
+        wall = time.perf_counter() - t_loop
+        payload = writes * block * ROWS * obs[0, 0].nbytes
+        out.append(
+            {
+                "dtype": dtype,
+                "call": how,
+                "writes": writes,
+                "MB per write": f"{payload / writes / 1e6:.1f}",
+                "training per write": f"{train_ms:.0f} ms",
+                "loop held per write (median)": fmt_time(float(np.median(held))),
+                "loop wall (close included)": fmt_time(wall),
+            }
+        )
+        shutil.rmtree(path)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -381,12 +421,21 @@ def main() -> None:
     parser.add_argument(
         "--small-writes", action="store_true", help="only the cost of writing 1, 16, 256 steps"
     )
+    parser.add_argument(
+        "--background",
+        action="store_true",
+        help="only write against write_async in a loop with a training phase between writes",
+    )
     args = parser.parse_args()
     steps = args.steps or (2**14 if args.quick else 2**17)
     block = min(args.block, steps // ROWS)
     folder = tempfile.mkdtemp(prefix="bench-archive-", dir=args.dir)
     try:
         print(f"{steps} steps = {ROWS} rows x {steps // ROWS}, obs {SHAPE}, ring {block}/row")
+        if args.background:
+            for dtype in args.dtypes.split(","):
+                print(table(background_writes(folder, dtype, block, 8, 200.0)), flush=True)
+            return
         if args.variants or args.small_writes:
             for dtype in args.dtypes.split(","):
                 if args.variants:

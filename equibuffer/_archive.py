@@ -69,6 +69,7 @@ _CHUNK_BYTES = 1 << 17  # target uncompressed bytes of one chunk (one row)
 _SHARD_BYTES = 16 << 20  # target uncompressed bytes of one shard (all rows)
 _BLOCK_BYTES = 32 << 20  # target uncompressed bytes of one read block (all rows)
 _INLINE_BYTES = 1 << 20  # writes smaller than this run in the calling thread
+_MAX_PENDING = 2  # background writes (write_async) waiting at most: one running, one queued
 _THREADS = max(4, 2 * (os.cpu_count() or 1))
 _MAX_CHUNK_STEPS = 1 << 14
 
@@ -151,6 +152,16 @@ class _Commit:
     def source_step(self, index: int) -> int:
         """The source buffer's absolute step held at archive time index `index`."""
         return self.first_step + index + sum(lost for at, lost in self.gaps if at <= index)
+
+
+class _Plan(NamedTuple):
+    """A write worked out but not yet done: the new steps per leaf `(rows, keep, *leaf)`,
+    the committed length it appends to, and the commit it ends with."""
+
+    host: list[np.ndarray]
+    base: int
+    keep: int
+    commit: _Commit
 
 
 def _stored_dtype(dtype: np.dtype) -> np.dtype:
@@ -800,6 +811,12 @@ class Archive:
         self._where = repr(os.fspath(store)) if isinstance(store, str | os.PathLike) else "store"
         self._token: str | None = None
         self._finalizer: Any = None
+        # Background writes (`write_async`): one writer thread, the futures not yet waited
+        # for, the commit they lead to, and the error of one that failed.
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: list[concurrent.futures.Future[int]] = []
+        self._planned: _Commit | None = None
+        self._failed: BaseException | None = None
         storage = None if like is None else _storage_of(like, where)
         self._treedef = None
         record = _get_json(self.store, "zarr.json")
@@ -1015,7 +1032,11 @@ class Archive:
                 p.unlink(missing_ok=True)
 
     def refresh(self) -> int:
-        """Move this reader's snapshot to the newest committed state; returns the length."""
+        """Move this reader's snapshot to the newest committed state; returns the length.
+        (A writer's own state is always the newest; for one, this first waits for its
+        background writes, as `flush` does.)"""
+        if not self.read_only:
+            self.flush()
         record = _get_json(self.store, "zarr.json")
         assert record is not None
         self._meta = record["attributes"][_ATTR]
@@ -1024,12 +1045,19 @@ class Archive:
         return self._commit.length
 
     def close(self) -> None:
-        """Release the writer lock (also done at exit); reads still work afterwards."""
-        if self._finalizer is not None:
-            atexit.unregister(self._finalizer)
-            self._finalizer()
-            self._finalizer = None
-        self._token = None
+        """Finish the background writes (raising the error of one that failed), then release
+        the writer lock (also done at exit); reads still work afterwards."""
+        try:
+            self.flush()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown()
+                self._writer = None
+            if self._finalizer is not None:
+                atexit.unregister(self._finalizer)
+                self._finalizer()
+                self._finalizer = None
+            self._token = None
 
     def __enter__(self) -> "Archive":
         return self
@@ -1112,9 +1140,86 @@ class Archive:
 
         The number of time steps written (per row). Steps the ring overwrote before they
         were written raise `StepsLostError`, or with `on_lost="warn"` are reported with a
-        `StepsLostWarning` and recorded as a gap.
+        `StepsLostWarning` and recorded as a gap. Writes started by `write_async` are
+        finished first (and their error, if one failed, raised).
         """
-        where = "Archive.write()"
+        self.flush()
+        plan = self._plan(buffer, on_lost, "Archive.write()", copy=False)
+        return 0 if plan is None else self._apply(plan)
+
+    def write_async(
+        self, buffer: Any, *, on_lost: OnLost | None = None
+    ) -> concurrent.futures.Future[int]:
+        """`write`, with the encoding and the I/O on a background thread, so that a training
+        loop goes on while the steps are written.
+
+        The new steps are copied to host memory before this returns (so the buffer may be
+        donated or changed right away), and the steps lost by the ring are checked here, as
+        `write` does (raising, or warning, now). The rest runs on one writer thread, in the
+        order of the calls, each write committed as `write` commits it. At most two writes
+        wait at a time: a third call first waits for the oldest to finish, so a loop that
+        writes faster than the disk keeps up with it instead of piling up copies.
+        `len(archive)` and `source_steps` count what is committed.
+
+        **Returns:**
+
+        A `concurrent.futures.Future` of the number of steps written. If a background write
+        fails, it and every later one fail with its error (nothing after the gap is
+        committed), and `flush()`, `write()` or `close()` raise it.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, tempfile
+
+            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
+                                         max_length=4, sequence_length=1)
+            with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
+                for t in range(3):
+                    buffer = buffer.add({"x": jnp.full((1, 4), t, jnp.float32)})
+                    archive.write_async(buffer)  # returns once the steps are copied
+                archive.flush()  # wait for the writes (close() does too)
+                assert len(archive) == 12
+            ```
+        """
+        where = "Archive.write_async()"
+        # Back-pressure: at most `_MAX_PENDING` writes (and their copies of the steps) wait.
+        self._pending = [f for f in self._pending if not f.done()]
+        while len(self._pending) >= _MAX_PENDING:
+            concurrent.futures.wait(self._pending[:1])
+            self._pending = [f for f in self._pending if not f.done()]
+        if self._failed is not None:
+            self.flush()  # waits for the writes after the one that failed; raises its error
+        plan = self._plan(buffer, on_lost, where, copy=True)
+        if plan is None:
+            done: concurrent.futures.Future[int] = concurrent.futures.Future()
+            done.set_result(0)
+            return done
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(1, "equibuffer-archive")
+        self._planned = plan.commit
+        future = self._writer.submit(self._apply_in_background, plan)
+        self._pending.append(future)
+        return future
+
+    def flush(self) -> None:
+        """Wait for every write started by `write_async`; raise the error of one that
+        failed (once: the archive is then back at its last commit, and writes may go on)."""
+        pending, self._pending = self._pending, []
+        concurrent.futures.wait(pending)
+        self._planned = None
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise RuntimeError(
+                "Archive: a background write (write_async) failed, so it and the writes after "
+                "it were not committed; the archive holds its last commit. Write again to "
+                "write those steps (if the ring still holds them)."
+            ) from failed
+
+    def _plan(self, buffer: Any, on_lost: OnLost | None, where: str, copy: bool) -> Any:
+        """What a write of `buffer` appends (host copies of the new steps when `copy`, else
+        views where possible) and the commit it leads to, counted from the last commit or
+        the last planned one: None when there is nothing new."""
         self._check_writable(where)
         policy = self.on_lost if on_lost is None else on_lost
         storage = _storage_of(buffer, where)
@@ -1123,7 +1228,7 @@ class Archive:
         if diff:
             raise ValueError(f"{where}: the buffer does not match the archive: {'; '.join(diff)}.")
         total = storage.steps_added()
-        c = self._commit
+        c = self._commit if self._planned is None else self._planned
         if total > _INT64_MAX:
             raise OverflowError(f"{where}: {total} steps is beyond int64.")
         if total < c.source_steps:
@@ -1134,7 +1239,7 @@ class Archive:
             )
         new = total - c.source_steps
         if new == 0:
-            return 0
+            return None
         head, fill, length = int(storage.head), int(storage.fill), storage.length
         keep = min(new, fill)
         lost = new - keep
@@ -1149,7 +1254,7 @@ class Archive:
                     "on_lost='warn' to write the rest and record the gap."
                 )
             warnings.warn(
-                msg + "; the rest is written and the gap recorded.", StepsLostWarning, stacklevel=2
+                msg + "; the rest is written and the gap recorded.", StepsLostWarning, stacklevel=3
             )
         start = (head - keep) % length
         pieces = [(start, min(start + keep, length))]
@@ -1157,24 +1262,47 @@ class Archive:
             pieces.append((0, start + keep - length))
         host = []
         for leaf, x in zip(self.leaves, jax.tree.leaves(storage.data), strict=True):
-            if keep == length and start == 0 or all(d.platform == "cpu" for d in x.devices()):
+            view = all(d.platform == "cpu" for d in x.devices())
+            if keep == length and start == 0 or view:
                 whole = np.asarray(jax.device_get(x))  # on CPU: a view, no copy
                 parts = [whole[:, a:b] for a, b in pieces]
             else:  # on an accelerator: bring back only the new steps
                 parts = [np.asarray(jax.device_get(x[:, a:b])) for a, b in pieces]
-            block = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+            if len(parts) > 1:
+                block = np.concatenate(parts, axis=1)
+            else:  # a view of the ring must not outlive this call when the write is deferred
+                block = parts[0].copy() if copy and view else parts[0]
             host.append(block.view(np.dtype(leaf.stored)))
-        self._next_tail = None
-        self._append(host)
         gaps = c.gaps
         first = c.first_step
         if lost and c.length == 0:
             first = c.source_steps + lost
         elif lost:
             gaps = (*gaps, (c.length, lost))
-        self._commit_state(_Commit(c.length + keep, total, first, gaps))
+        return _Plan(host, c.length, keep, _Commit(c.length + keep, total, first, gaps))
+
+    def _apply(self, plan: "_Plan") -> int:
+        """Write and commit a planned write; returns the steps written."""
+        if self._commit.length != plan.base:
+            raise RuntimeError(
+                f"Archive: a write planned after {plan.base} committed steps found "
+                f"{self._commit.length}; nothing was written."
+            )
+        self._next_tail = None
+        self._append(plan.host)
+        self._commit_state(plan.commit)
         self._tail = self._next_tail  # kept only once committed
-        return keep
+        return plan.keep
+
+    def _apply_in_background(self, plan: "_Plan") -> int:
+        if self._failed is not None:
+            raise RuntimeError("an earlier background write failed") from self._failed
+        try:
+            self._check_writable("Archive.write_async()")
+            return self._apply(plan)
+        except BaseException as error:
+            self._failed = error
+            raise
 
     def _append(self, host: list[np.ndarray]) -> None:
         """Write `host` (per leaf `(rows, k, *leaf)`) after the committed length. Nothing is

@@ -29,6 +29,7 @@ import zarr.storage
 
 import equibuffer as eb
 from equibuffer._archive import (
+    _Objects,
     Archive,
     ArchiveLockedError,
     ring_holding,
@@ -470,6 +471,87 @@ def test_a_writer_continues_its_partial_chunks_as_a_reopened_one_reads_them(
     assert len(files) > 4
     for f in files:
         assert (kept_path / f).read_bytes() == (reopened_path / f).read_bytes(), f
+
+
+def test_write_async_leaves_what_write_leaves_and_close_waits(tmp_path):
+    """Background writes of a donated ring, in order, at most two behind: the same objects,
+    byte for byte, as `write` in the same sequence; `close()` waits for them; nothing kept
+    pins the ring."""
+    add_in_place = eqx.filter_jit(lambda b, batch: b.add(batch), donate="all")
+    opts = dict(chunk_steps=4, shard_steps=8, progress=False)
+    paths = tmp_path / "background", tmp_path / "direct"
+    buffer = new_buffer()
+    background, direct = (Archive(str(p), buffer, **opts) for p in paths)
+    rng = np.random.default_rng(2)
+    total, sizes, futures = 0, [], []
+    for _ in range(12):
+        n = int(rng.integers(1, 9))
+        ring = jax.tree.leaves(buffer.storage.data)
+        batch = values(ROWS, total, n)
+        buffer = add_in_place(buffer, {k: jnp.asarray(v) for k, v in batch.items()})
+        assert all(x.is_deleted() for x in ring)  # donated: no write holds a view of it
+        total += n
+        sizes.append(n)
+        futures.append(background.write_async(buffer))
+        assert len(background) >= sum(sizes[:-2])  # never more than two writes behind
+        assert direct.write(buffer) == n
+    background.close()  # waits for the writes
+    direct.close()
+    assert [f.result() for f in futures] == sizes
+    reopened = Archive(str(paths[0]), mode="r")
+    assert len(reopened) == reopened.source_steps == total
+    assert_tree_equal(reopened.read(), expected(0, total))
+    files = sorted(p.relative_to(paths[1]) for p in paths[1].rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(paths[0]) for p in paths[0].rglob("*") if p.is_file())
+    for f in files:
+        assert (paths[0] / f).read_bytes() == (paths[1] / f).read_bytes(), f
+
+
+def test_write_async_checks_lost_steps_when_called(tmp_path):
+    buffer = new_buffer()
+    with Archive(str(tmp_path / "run.zarr"), buffer, chunk_steps=4, progress=False) as archive:
+        buffer = add(buffer, 10)
+        archive.write_async(buffer)  # planned up to step 10, maybe not yet committed
+        buffer = add(buffer, MAX_LENGTH + 6)  # 6 of these were never planned: lost
+        with pytest.raises(StepsLostError, match="6 of the 30 steps"):
+            archive.write_async(buffer)
+        with pytest.warns(StepsLostWarning, match="6 of the 30 steps"):
+            archive.write_async(buffer, on_lost="warn")
+        archive.flush()
+        assert len(archive) == 10 + MAX_LENGTH and archive.steps_lost == 6
+        assert_tree_equal(archive.read(10), expected(16, 16 + MAX_LENGTH))
+
+
+def test_a_failed_background_write_commits_nothing_after_it(tmp_path, monkeypatch):
+    buffer = add(new_buffer(), 5)
+    archive = Archive(str(tmp_path / "run.zarr"), buffer, chunk_steps=4, shard_steps=8)
+    archive.progress = False
+    assert archive.write(buffer) == 5
+    real_put = _Objects.put
+
+    def failing_put(self, key, parts):
+        if not key.endswith("zarr.json"):  # the data: a full disk
+            raise OSError("no space left on device")
+        return real_put(self, key, parts)
+
+    monkeypatch.setattr(_Objects, "put", failing_put)
+    buffer = add(buffer, 3)
+    first = archive.write_async(buffer)
+    buffer = add(buffer, 4)
+    second = archive.write_async(buffer)
+    with pytest.raises(OSError, match="no space"):
+        first.result()
+    with pytest.raises(RuntimeError, match="earlier background write failed"):
+        second.result()
+    with pytest.raises(RuntimeError, match="background write .* failed") as info:
+        archive.flush()
+    assert isinstance(info.value.__cause__, OSError)
+    assert len(archive) == archive.source_steps == 5  # the last commit
+    assert len(Archive(str(tmp_path / "run.zarr"), mode="r")) == 5
+    monkeypatch.setattr(_Objects, "put", real_put)
+    assert archive.write(buffer) == 7  # what the ring still holds, written now
+    archive.close()
+    assert_tree_equal(Archive(str(tmp_path / "run.zarr"), mode="r").read(), expected(0, 12))
 
 
 def test_progress_bar_can_be_shown_or_turned_off(tmp_path, capsys, monkeypatch):

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -528,9 +529,11 @@ def test_a_failed_background_write_commits_nothing_after_it(tmp_path, monkeypatc
     archive.progress = False
     assert archive.write(buffer) == 5
     real_put = _Objects.put
+    go = threading.Event()
 
     def failing_put(self, key, parts):
-        if not key.endswith("zarr.json"):  # the data: a full disk
+        if not key.endswith("zarr.json"):  # the data: a full disk (once both are submitted)
+            go.wait(30)
             raise OSError("no space left on device")
         return real_put(self, key, parts)
 
@@ -539,13 +542,15 @@ def test_a_failed_background_write_commits_nothing_after_it(tmp_path, monkeypatc
     first = archive.write_async(buffer)
     buffer = add(buffer, 4)
     second = archive.write_async(buffer)
+    go.set()
     with pytest.raises(OSError, match="no space"):
         first.result()
     with pytest.raises(RuntimeError, match="earlier background write failed"):
         second.result()
     with pytest.raises(RuntimeError, match="background write .* failed") as info:
-        archive.flush()
+        archive.write_async(buffer)  # the next call reports it (flush() or close() would)
     assert isinstance(info.value.__cause__, OSError)
+    archive.flush()  # reported once
     assert len(archive) == archive.source_steps == 5  # the last commit
     assert len(Archive(str(tmp_path / "run.zarr"), mode="r")) == 5
     monkeypatch.setattr(_Objects, "put", real_put)

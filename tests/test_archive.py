@@ -508,9 +508,9 @@ def test_write_async_leaves_what_write_leaves_and_close_waits(tmp_path):
         assert (paths[0] / f).read_bytes() == (paths[1] / f).read_bytes(), f
 
 
-def test_write_async_checks_lost_steps_when_called(tmp_path):
+def test_write_async_checks_lost_steps_when_called(location):
     buffer = new_buffer()
-    with Archive(str(tmp_path / "run.zarr"), buffer, chunk_steps=4, progress=False) as archive:
+    with location.open(buffer) as archive:
         buffer = add(buffer, 10)
         archive.write_async(buffer)  # planned up to step 10, maybe not yet committed
         buffer = add(buffer, MAX_LENGTH + 6)  # 6 of these were never planned: lost

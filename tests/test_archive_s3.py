@@ -24,6 +24,7 @@ from .test_archive import (  # noqa: F401  (collected again here with the S3 `lo
     test_sampling_is_uniform_over_valid_windows,
     test_schema_mismatch_names_the_leaves,
     test_write_appends_exactly_the_new_steps,
+    test_write_async_checks_lost_steps_when_called,
 )
 
 

@@ -1216,7 +1216,7 @@ class Archive:
                 "write those steps (if the ring still holds them)."
             ) from failed
 
-    def _plan(self, buffer: Any, on_lost: OnLost | None, where: str, copy: bool) -> Any:
+    def _plan(self, buffer: Any, on_lost: OnLost | None, where: str, copy: bool) -> "_Plan | None":
         """What a write of `buffer` appends (host copies of the new steps when `copy`, else
         views where possible) and the commit it leads to, counted from the last commit or
         the last planned one: None when there is nothing new."""

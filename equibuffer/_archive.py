@@ -719,7 +719,8 @@ class Archive:
     ms per write of 1 or 16 steps with `shard_steps=0` (one object per chunk). So write in
     blocks of hundreds of steps or more where you can (once every `max_length` steps is the
     natural rhythm); for frequent small writes choose a small `shard_steps` (or `0`), whose
-    rewrite is cheaper.
+    rewrite is cheaper. `write_async` takes all of it but the copy of the new steps off the
+    training loop (12 ms instead of 94 ms per write of 2048 steps of 8 uint8 frames).
 
     This is host-side I/O: call it outside `jit`.
 

@@ -126,15 +126,17 @@ class RingStorage(eqx.Module):
             steps, first_path = t, path
         return steps
 
-    def write(self, batch: ExperienceBatch) -> "RingStorage":
+    def write(self, batch: ExperienceBatch, where: str = "add()") -> "RingStorage":
         """Append one step (leaves `(rows, *leaf)`) or `T` steps (leaves `(rows, T, *leaf)`)
         to every row, overwriting the oldest steps once the ring is full. When `T > length`
         only the newest `length` steps are kept (the count of steps added still grows by `T`).
+        A batch that does not fit is refused as `steps_in` refuses it, its error starting
+        with `where`.
 
         Under `eqx.filter_jit(donate=...)` the write is in place: its cost is that of the data
         added, not of the ring.
         """
-        t = self.steps_in(batch)
+        t = self.steps_in(batch, where)
         if t is None:
             batch = jax.tree.map(lambda x: jnp.asarray(x)[:, None], batch)
             t = 1

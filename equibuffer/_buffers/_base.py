@@ -192,10 +192,10 @@ def update_storage(storage: RingStorage, fn: UpdateFn, owner: str) -> RingStorag
 
 
 def add_to_storage(buffer: _Buffer, batch: ExperienceBatch) -> _Buffer:
-    """`add` of the uniform buffers: the write is all there is to it (the batch checked first
-    under the buffer's own name, so that an error says which `add` refused it)."""
-    buffer.storage.steps_in(batch, f"{type(buffer).__name__}.add()")
-    return eqx.tree_at(lambda b: b.storage, buffer, buffer.storage.write(batch))
+    """`add` of the uniform buffers: the write is all there is to it (its errors name the
+    buffer's `add`)."""
+    storage = buffer.storage.write(batch, f"{type(buffer).__name__}.add()")
+    return eqx.tree_at(lambda b: b.storage, buffer, storage)
 
 
 def resolve_length(

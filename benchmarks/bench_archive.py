@@ -59,6 +59,12 @@ def frames(rows: int, steps: int, seed: int) -> np.ndarray:
     return out
 
 
+def observations(dtype: str, block: int) -> np.ndarray:
+    """`frames` of `ROWS` rows and `block` steps, as uint8 or as float32 in [0, 1]."""
+    source = frames(ROWS, block, seed=1)
+    return source if dtype == "uint8" else (source / 255).astype(np.float32)
+
+
 def disk_bandwidth(folder: str, nbytes: int) -> tuple[float, float]:
     data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     path = os.path.join(folder, "disk.bin")
@@ -97,8 +103,7 @@ def bench_dtype(
 ) -> dict:
     per_row = steps // ROWS
     blocks = per_row // block
-    source = frames(ROWS, block, seed=1)
-    obs = source if dtype == "uint8" else (source / 255).astype(np.float32)
+    obs = observations(dtype, block)
     payload = blocks * block * ROWS * obs[0, 0].nbytes
     example = {"obs": jnp.zeros(SHAPE, dtype)}
     buffer = eb.TrajectoryBuffer(example, add_batch_size=ROWS, max_length=block, sequence_length=1)
@@ -272,8 +277,7 @@ def read_variants(folder: str, dtype: str, steps: int, block: int, repeats: int)
     all alike; also each variant's write rate (one write) and compression ratio."""
     per_row = steps // ROWS
     blocks = per_row // block
-    source = frames(ROWS, block, seed=1)
-    obs = source if dtype == "uint8" else (source / 255).astype(np.float32)
+    obs = observations(dtype, block)
     payload = blocks * block * ROWS * obs[0, 0].nbytes
     default_ss = _archive._pow2_floor(_archive._SHARD_BYTES / (ROWS * obs[0, 0].nbytes))
     # (name, zstd level, archive options, threads): None means the default.
@@ -329,8 +333,7 @@ def small_writes(folder: str, dtype: str, steps: int, block: int) -> list[dict]:
     """The cost of writing few steps at a time: each write re-encodes and rewrites the last,
     partial shard (the committed chunks it holds are copied as stored, a partial chunk is
     decoded and completed), so its cost grows with the shard, not with the steps written."""
-    source = frames(ROWS, block, seed=1)
-    obs = source if dtype == "uint8" else (source / 255).astype(np.float32)
+    obs = observations(dtype, block)
     out = []
     for at_a_time, layout, options in [
         (1, "16 MiB shards", {}),
@@ -369,8 +372,7 @@ def background_writes(folder: str, dtype: str, block: int, writes: int, train_ms
     phase of `train_ms` (a sleep: the host waiting on an accelerator), with no write (the
     loop alone: the phases and refilling the ring), `write` and `write_async`: how long each
     call holds the loop, and the loop's wall time."""
-    source = frames(ROWS, block, seed=1)
-    obs = source if dtype == "uint8" else (source / 255).astype(np.float32)
+    obs = observations(dtype, block)
     out = []
     for how in ("none", "write", "write_async"):
         example = {"obs": jnp.zeros(SHAPE, obs.dtype)}

@@ -1473,10 +1473,9 @@ class Archive:
         meta = dict(self._meta, committed=commit.as_json())
         root = self._objects.root
         if self.fsync and root is not None:
-            # Everything the commit covers reaches the disk first: the objects (flushed as
-            # written), their directory entries, and the arrays' metadata (their new shape).
-            for leaf in self.leaves:
-                _fsync_path(os.path.join(root, leaf.name, "zarr.json"))
+            # Everything the commit covers reaches the disk first: the objects, the arrays'
+            # metadata documents included (each flushed as written, before its rename), then
+            # their directory entries (the renames).
             for folder in self._objects.dirs:
                 _fsync_path(folder)
         # The group's document, read once by this writer (the only one: nothing else changes

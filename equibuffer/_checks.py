@@ -38,10 +38,22 @@ def check_structure(where: str, expected: Any, tree: Any) -> list:
     got, got_def = jax.tree_util.tree_flatten_with_path(tree)
     if got_def == expected:
         return got
-    want = {keystr(p) for p in expected_paths(expected)}
-    have = {keystr(p) for p, _ in got}
-    missing, extra = sorted(want - have), sorted(have - want)
+    want = {keystr(p): tuple(p) for p in expected_paths(expected)}
+    have = {keystr(p): tuple(p) for p, _ in got}
+    missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
     detail = []
+    # A leaf given as a Python list or tuple (or any container) shows up as a missing leaf
+    # with extra leaves under it: say that, not the list of its parts.
+    for name in list(missing):
+        path = want[name]
+        inside = [e for e in extra if have[e][: len(path)] == path]
+        if inside:
+            missing.remove(name)
+            extra = [e for e in extra if e not in inside]
+            detail.append(
+                f"leaf {name} is a container of {len(inside)} leaves ({inside[0]}, ...), not "
+                "an array: pass one array per leaf (e.g. jnp.asarray(...))"
+            )
     if missing:
         detail.append("missing leaves " + ", ".join(missing))
     if extra:

@@ -29,6 +29,18 @@ def test_wrong_tree_structure_names_missing_and_extra_leaves():
         _traj().add({"obs": jnp.zeros((4, 3)), "act": jnp.zeros(4, jnp.int32)})
 
 
+def test_a_list_of_arrays_for_a_leaf_is_named_as_such():
+    # One observation per environment in a list, instead of one array for the leaf.
+    batch = {"obs": [jnp.zeros(3)] * 4, "action": jnp.zeros(4, jnp.int32)}
+    msg = (
+        "TrajectoryBuffer.add(): the tree does not match the example the buffer was built "
+        "from: leaf ['obs'] is a container of 4 leaves (['obs'][0], ...), not an array: "
+        "pass one array per leaf (e.g. jnp.asarray(...))."
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        _traj().add(batch)
+
+
 def test_wrong_leaf_shape_names_leaf_expected_and_received():
     msg = (
         "TrajectoryBuffer.add(): leaf ['obs'] has shape (4, 5), expected (add_batch_size=4, 3) "

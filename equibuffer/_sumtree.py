@@ -62,7 +62,9 @@ class SumTree(eqx.Module):
     - `top`: the largest level searched densely, at least 1 (default 8).
 
     The defaults were picked by measurement (see `benchmarks/bench_prioritised.py`). All
-    leaves start at zero.
+    leaves start at zero. A value below the smallest normal float32 (`jnp.finfo(jnp.float32)
+    .tiny`, about 1.2e-38) is stored as 0: XLA's CPU arithmetic reads such subnormal numbers
+    as 0, so a leaf holding one would count for nothing in the sums above it.
 
     !!! example
 
@@ -152,7 +154,8 @@ class SumTree(eqx.Module):
         leaves written. Deduplicate first where a particular one must win.
 
         Inside jit, `eqx.error_if` raises on an index outside `[0, capacity)` or on a value
-        that is negative, NaN or infinite (one check). Values are cast to float32.
+        that is negative, NaN or infinite (one check). Values are cast to float32; a
+        subnormal one is stored as 0 (see the class docstring).
         """
         where = "SumTree.set()"
         indices = self._check_indices(where, indices)
@@ -189,6 +192,7 @@ class SumTree(eqx.Module):
         sizes, offsets = _layout(self.capacity, self.fanout, self.top)
         nodes = self.nodes
         indices = indices.astype(jnp.int32)
+        values = _flush_subnormal(values)
         if mask is None:
             nodes = nodes.at[indices].set(values, mode="promise_in_bounds")
         else:
@@ -259,7 +263,7 @@ class SumTree(eqx.Module):
             raise ValueError(
                 f"SumTree.write_block(): {m} values for a tree of capacity {capacity}."
             )
-        values = values.astype(jnp.float32)
+        values = _flush_subnormal(values)
         start = jnp.asarray(start, jnp.int32)
         # The two runs of leaves: `[head, head + m)` holds the block up to the wrap (all of
         # it when it does not wrap), `[0, m)` the part after the wrap (none of it when it
@@ -394,6 +398,13 @@ class SumTree(eqx.Module):
                 f"and dtype {indices.dtype}."
             )
         return indices.astype(jnp.int32)
+
+
+def _flush_subnormal(values: Float[Array, " batch"]) -> Float[Array, " batch"]:
+    """`values` as float32, with every value below the smallest normal float32 set to 0 (the
+    sums would count it as 0 on CPU anyway: the stored leaf agrees with them everywhere)."""
+    values = values.astype(jnp.float32)
+    return jnp.where(values < jnp.finfo(jnp.float32).tiny, jnp.float32(0), values)
 
 
 def _out_of_range(indices: Int[Array, " batch"], n: int) -> Bool[Array, ""]:

@@ -154,10 +154,37 @@ def test_write_block_matches_write(case, data):
     values = np.asarray(data.draw(st.lists(st.floats(0, 10, width=32), min_size=m, max_size=m)))
     block = _write_block(tree, jnp.int32(start), jnp.asarray(values, np.float32))
     leaves = (start + np.arange(m)) % capacity
-    ref[leaves] = values
+    ref[leaves] = _flushed(values)
     _check_against(block, ref)
     scattered = tree.write(jnp.asarray(leaves), jnp.asarray(values, np.float32))
     np.testing.assert_allclose(np.asarray(block.nodes), np.asarray(scattered.nodes), rtol=1e-6)
+
+
+def _flushed(values: np.ndarray) -> np.ndarray:
+    """The leaves a write stores: float32, subnormal values as 0 (documented)."""
+    values = np.asarray(values, np.float32)
+    return np.where(values < np.finfo(np.float32).tiny, np.float32(0), values)
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (16, 2048), (3, 4)])
+def test_subnormal_values_are_stored_as_zero(layout):
+    # XLA's CPU sums read a subnormal float32 as 0: the leaf is stored as 0 too, so that the
+    # leaf, its sums and the draws agree (a subnormal leaf alone would leave total() == 0
+    # under a leaf that is not 0).
+    tiny = np.finfo(np.float32).tiny
+    values = np.array([5e-42, tiny, tiny / 2, 1.0, 0.0, 1e-45], np.float32)
+    indices = jnp.arange(6)
+    expect = np.array([0.0, tiny, 0.0, 1.0, 0.0, 0.0], np.float32)
+    tree = SumTree(11, *layout)
+    for written in (
+        _set(tree, indices, jnp.asarray(values)),
+        eqx.filter_jit(SumTree.write)(tree, indices, jnp.asarray(values)),
+        _write_block(tree, jnp.int32(0), jnp.asarray(values)),
+    ):
+        np.testing.assert_array_equal(np.asarray(written.values())[:6], expect)
+        _check_against(written, np.pad(expect, (0, 5)))
+    alone = _set(tree, jnp.array([4]), jnp.array([5e-42], jnp.float32))
+    assert float(alone.total()) == 0.0 and not np.asarray(alone.values()).any()
 
 
 @pytest.mark.parametrize("layout", [(2, 1), (16, 2048)])

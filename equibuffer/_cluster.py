@@ -138,6 +138,26 @@ class ClusteredBuffer(eqx.Module):
         """The number of items held in each cluster, `(num_clusters,)` int32."""
         return self.fill
 
+    def steps_in(self, batch: ExperienceBatch, where: str = "add()") -> int | None:
+        """Check `batch` as `add` does (structure, shapes, dtypes, `add_batch_size` rows) and
+        return its number of items per row: `None` for leaves `(add_batch_size, *leaf)`,
+        else `T` for `(add_batch_size, T, *leaf)`. Errors start with `where`.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=2,
+                                        num_clusters=2, cluster_capacity=4,
+                                        cluster_fn=lambda item: (item["x"] > 0).astype(int))
+            assert buffer.steps_in({"x": jnp.zeros((2, 3))}) == 3
+            ```
+        """
+        # The ring's own batch check, against `add_batch_size` rows.
+        checker: Any = types.SimpleNamespace(data=self.data, rows=self.add_batch_size)
+        return RingStorage.steps_in(checker, batch, where)
+
     def add(self, batch: ExperienceBatch) -> "ClusteredBuffer":
         """Route every item of `batch` to its cluster and append it there (a full cluster
         overwrites its oldest items; when one `add` brings more than `cluster_capacity` items
@@ -148,9 +168,7 @@ class ClusteredBuffer(eqx.Module):
         `[0, num_clusters)`.
         """
         where = "ClusteredBuffer.add()"
-        # The ring's own batch check (structure, shapes, dtypes), against `add_batch_size` rows.
-        checker: Any = types.SimpleNamespace(data=self.data, rows=self.add_batch_size)
-        t = RingStorage.steps_in(checker, batch, where)
+        t = self.steps_in(batch, where)
 
         def flatten(x: Any) -> Array:
             x = jnp.asarray(x)

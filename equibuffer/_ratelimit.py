@@ -12,6 +12,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from ._buffers._base import AbstractBuffer, Sample
 from ._checks import check_positive_int
+from ._cluster import ClusteredBuffer, ClusteredSample
 from ._custom_types import BoolScalar, ExperienceBatch
 
 
@@ -118,18 +119,24 @@ class RateLimited(eqx.Module):
         ```
     """
 
-    buffer: AbstractBuffer
+    buffer: AbstractBuffer | ClusteredBuffer
     credit_whole: Int[Array, ""]
     credit_fraction: Float[Array, ""]
     samples_per_insert: float = eqx.field(static=True)
     tolerance: float = eqx.field(static=True)
 
-    def __init__(self, buffer: AbstractBuffer, samples_per_insert: float, tolerance: float):
+    def __init__(
+        self,
+        buffer: AbstractBuffer | ClusteredBuffer,
+        samples_per_insert: float,
+        tolerance: float,
+    ):
         """**Arguments:**
 
         - `buffer`: the buffer to limit, any [`equibuffer.AbstractBuffer`][] (prioritised
-            ones included). Its `min_length` is the warm-up: nothing is counted before it can
-            be sampled. Counting starts here, at a credit of 0, whatever it already holds.
+            ones included) or a [`equibuffer.ClusteredBuffer`][] (whose items count as
+            steps). Its `min_length` is the warm-up: nothing is counted before it can be
+            sampled. Counting starts here, at a credit of 0, whatever it already holds.
         - `samples_per_insert`: the target number of windows sampled per step inserted (per
             row), a Python float `> 0`.
         - `tolerance`: how far, in windows, the count of samples may run ahead of or behind
@@ -139,11 +146,12 @@ class RateLimited(eqx.Module):
             `can_sample`/`can_add` are traced).
         """
         where = "RateLimited()"
-        if not isinstance(buffer, AbstractBuffer):
+        if not isinstance(buffer, AbstractBuffer | ClusteredBuffer):
             raise TypeError(
                 f"{where}: `buffer` must be a replay buffer (an equibuffer.AbstractBuffer such as "
-                f"TrajectoryBuffer or PrioritisedTransitionBuffer), got {type(buffer).__name__}. "
-                "(A Queue has its own `can_add`/`can_sample` and needs no rate limiter.)"
+                "TrajectoryBuffer or PrioritisedTransitionBuffer, or a ClusteredBuffer), got "
+                f"{type(buffer).__name__}. (A Queue has its own `can_add`/`can_sample` and "
+                "needs no rate limiter.)"
             )
         self.samples_per_insert = _check_number(
             where, "samples_per_insert", samples_per_insert, positive=True
@@ -231,7 +239,7 @@ class RateLimited(eqx.Module):
         that keeps adding without sampling reaches.
         """
         where = f"{type(self).__name__}.add()"
-        t = self.buffer.storage.steps_in(batch, where)
+        t = self.buffer.steps_in(batch, where)
         t = 1 if t is None else t
         whole, fraction = _split(self._increment(where, t))
         buffer = self.buffer.add(batch)
@@ -255,7 +263,7 @@ class RateLimited(eqx.Module):
 
     def sample(
         self, key: PRNGKeyArray, batch_size: int, **kwargs: Any
-    ) -> tuple["RateLimited", Sample]:
+    ) -> tuple["RateLimited", Sample | ClusteredSample]:
         """Sample the wrapped buffer and take `batch_size` off the credit.
 
         **Arguments:**

@@ -78,6 +78,18 @@ CONFIGS = {
         ),
         (1, 3, 3, 2, 3),
     ),
+    # Items routed to two clusters by sign; it can be sampled once anything was added (the
+    # reference's layout for that: windows of 1 from the first step on).
+    "clustered": (
+        lambda: eb.ClusteredBuffer(
+            EXAMPLE,
+            add_batch_size=2,
+            num_clusters=2,
+            cluster_capacity=4,
+            cluster_fn=lambda item: (item["x"] > 2).astype(jnp.int32),
+        ),
+        (2, 4, 1, 1, 1),
+    ),
 }
 ADD_STEPS = (1, 2, 3)
 BATCHES = (1, 2, 4)
@@ -107,7 +119,12 @@ def _apply(limited, op, i):
 # (config, samples_per_insert, margin above the smallest tolerance): `samples_per_insert` and
 # `tolerance` are static, so each setup compiles once; every value is dyadic, so the reference's
 # exact rationals and the limiter agree exactly. The last one sits at the deadlock boundary.
-SETUPS = [("item", 0.75, 0.25), ("trajectory", 0.25, 1.5), ("toggling", 3.0, 0.0)]
+SETUPS = [
+    ("item", 0.75, 0.25),
+    ("trajectory", 0.25, 1.5),
+    ("toggling", 3.0, 0.0),
+    ("clustered", 1.5, 0.5),
+]
 
 
 @settings(max_examples=20, deadline=None)
@@ -233,6 +250,30 @@ def test_following_the_limiter_achieves_the_ratio(spi):
     first = int(np.argmax(counted))
     assert not counted[:first].any() and (counted[first:] == act[first:]).all()
     assert first == buffer.min_length - 1
+
+
+def test_a_clustered_buffer_is_limited_like_any_buffer():
+    # Its items count as steps; it can be sampled (and adds count) from the first add on.
+    rows, batch_size, spi = 2, 4, 1.5
+    buffer = eb.ClusteredBuffer(
+        EXAMPLE,
+        add_batch_size=rows,
+        num_clusters=3,
+        cluster_capacity=8,
+        cluster_fn=lambda item: (item["x"] % 3).astype(jnp.int32),
+    )
+    tol = (batch_size + spi * rows) / 2 + 0.5
+    limited = RateLimited(buffer, samples_per_insert=spi, tolerance=tol)
+    limited, (act, counted, learn) = _run(limited, batch_size, 400)
+    act, counted, learn = np.asarray(act), np.asarray(counted), np.asarray(learn)
+    assert (act | learn).all() and (counted == act).all()
+    inserted, sampled = rows * int(act.sum()), batch_size * int(learn.sum())
+    assert sampled > 200 and -tol <= spi * inserted - sampled <= tol
+    assert Fraction(float(limited.credit())) == Fraction(spi) * inserted - sampled
+    # `_run` adds zeros: every item went to cluster 0, which holds its newest 8.
+    assert limited.buffer.cluster_sizes().tolist() == [8, 0, 0]
+    limited, sample = limited.sample(jax.random.key(0), batch_size)
+    assert isinstance(sample, eb.ClusteredSample) and sample.experience["x"].shape == (4,)
 
 
 # --- jit, donation, vmap ----------------------------------------------------------------------

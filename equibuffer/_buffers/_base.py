@@ -63,6 +63,23 @@ class AbstractRingHolder(eqx.Module):
         """The number of steps held in total, `add_batch_size * max_length`."""
         return self.storage.rows * self.storage.length
 
+    def steps_in(self, batch: ExperienceBatch, where: str = "add()") -> int | None:
+        """Check `batch` as `add` does and return its number of steps per row: `None` for
+        leaves `(add_batch_size, *leaf)`, else `T` for `(add_batch_size, T, *leaf)` (see
+        [`equibuffer.RingStorage.steps_in`][]). Errors start with `where`.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            buffer = eb.ItemBuffer({"x": jnp.zeros(3)}, add_batch_size=2, capacity=8)
+            assert buffer.steps_in({"x": jnp.zeros((2, 3))}) is None
+            assert buffer.steps_in({"x": jnp.zeros((2, 5, 3))}) == 5
+            ```
+        """
+        return self.storage.steps_in(batch, where)
+
 
 class AbstractBuffer(AbstractRingHolder):
     """The interface every buffer shares: a [`equibuffer.RingStorage`][] plus a rule saying

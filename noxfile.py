@@ -10,7 +10,7 @@ nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["tests", "lint", "typecheck"]
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
-PYTHONS = ["3.11", "3.12"]
+PYTHONS = ["3.11", "3.12", "3.13"]
 
 
 def install(session: nox.Session, *groups: str, package: str = ".") -> None:

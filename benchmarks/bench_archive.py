@@ -89,9 +89,9 @@ def mbps(nbytes: float, seconds: float) -> str:
 def warm_memory(payload: int) -> None:
     """Touch (then free) as much memory as the largest part of `read_parts` before a timed
     read. The first large allocation after the writes has the kernel assemble huge pages from
-    memory the page cache fragmented (measured: 3 s for 1.3 GB, against ~0.1 s once done);
-    otherwise whichever read comes first pays for it, which is the OS's cost, not the store's.
-    Done before each library's reads, untimed."""
+    memory the page cache fragmented (measured: 2 to 3 s for 1.3 GB; after it, the first read
+    runs as fast as the next ones); otherwise whichever read comes first pays for it, which is
+    the OS's cost, not the store's. Done before each library's reads, untimed."""
     k = len(read_parts(100, payload))
     np.ones(-(-payload // k), np.uint8)
 

@@ -132,7 +132,7 @@ class ClusteredBuffer(eqx.Module):
 
     def size(self) -> IntScalar:
         """The number of items held over all clusters (0-d int32)."""
-        return jnp.sum(self.fill)
+        return jnp.sum(self.fill, dtype=jnp.int32)
 
     def cluster_sizes(self) -> Int[Array, " clusters"]:
         """The number of items held in each cluster, `(num_clusters,)` int32."""
@@ -185,8 +185,13 @@ class ClusteredBuffer(eqx.Module):
             f"{where}: `cluster_fn` returned a cluster id outside [0, num_clusters={k}).",
         )
         onehot = (ids[:, None] == jnp.arange(k, dtype=jnp.int32)[None, :]).astype(jnp.int32)
-        counts = jnp.sum(onehot, axis=0)
-        rank = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), ids[:, None], axis=1)[:, 0] - 1
+        counts = jnp.sum(onehot, axis=0, dtype=jnp.int32)
+        rank = (
+            jnp.take_along_axis(jnp.cumsum(onehot, axis=0, dtype=jnp.int32), ids[:, None], axis=1)[
+                :, 0
+            ]
+            - 1
+        )
         keep = rank >= counts[ids] - cap  # only the newest `cap` items of one cluster
         slot = (self.head[ids] + rank) % cap
         target = jnp.where(keep, ids, k)  # out of range: dropped by the scatter
@@ -227,7 +232,7 @@ class ClusteredBuffer(eqx.Module):
             "data first, or check `buffer.can_sample()` and the weights.",
         )
         fill = self.fill[cluster]
-        u = jax.random.uniform(key_i, (batch_size,))
+        u = jax.random.uniform(key_i, (batch_size,), jnp.float32)
         j = jnp.minimum((u * fill.astype(jnp.float32)).astype(jnp.int32), fill - 1)
         slot = (self.head[cluster] - fill + j + cap) % cap
         experience = jax.tree.map(

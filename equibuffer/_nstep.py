@@ -102,9 +102,9 @@ def n_step_values(
     n = reward.shape[1]
     end = terminated if truncated is None else terminated | truncated
     # Step k counts when no end happened at steps 0..k-1.
-    before = jnp.cumsum(end.astype(jnp.int32), axis=1) - end.astype(jnp.int32)
+    before = jnp.cumsum(end, axis=1, dtype=jnp.int32) - end.astype(jnp.int32)
     alive = before == 0
-    steps = jnp.sum(alive.astype(jnp.int32), axis=1)
+    steps = jnp.sum(alive, axis=1, dtype=jnp.int32)
     powers = jnp.asarray(discount, reward.dtype) ** jnp.arange(n, dtype=reward.dtype)
     total = jnp.sum(jnp.where(alive, reward * powers[None, :], 0), axis=1)
     last_terminated = jnp.take_along_axis(terminated, (steps - 1)[:, None], axis=1)[:, 0]

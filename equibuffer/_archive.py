@@ -78,21 +78,92 @@ OnLost = Literal["raise", "warn"]
 
 
 class ArchiveLockedError(RuntimeError):
-    """Raised when a second writer opens an archive that a writer already holds."""
+    """Raised when a second writer opens an archive that a writer already holds.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax.numpy as jnp, tempfile
+
+        buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1, max_length=4,
+                                     sequence_length=1)
+        path = tempfile.mkdtemp() + "/run.zarr"
+        with eb.Archive(path, buffer):
+            try:
+                eb.Archive(path, buffer)  # a second writer
+                locked = False
+            except eb.ArchiveLockedError:
+                locked = True
+            assert locked
+            assert len(eb.Archive(path, mode="r")) == 0  # readers are always welcome
+        ```
+    """
 
 
 class StepsLostError(RuntimeError):
-    """Raised by `Archive.write` when the ring overwrote steps that were never written."""
+    """Raised by `Archive.write` when the ring overwrote steps that were never written.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax.numpy as jnp, tempfile
+
+        buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1, max_length=4,
+                                     sequence_length=1)
+        with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
+            buffer = buffer.add({"x": jnp.arange(6.0)[None]})  # 6 steps into a ring of 4
+            try:
+                archive.write(buffer)
+                lost = False
+            except eb.StepsLostError as error:
+                lost = "2 of the 6 steps" in str(error)
+            assert lost and len(archive) == 0  # nothing was written
+        ```
+    """
 
 
 class StepsLostWarning(UserWarning):
-    """Warned by `Archive.write(..., on_lost="warn")` with the number of steps lost."""
+    """Warned by `Archive.write(..., on_lost="warn")` with the number of steps lost.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax.numpy as jnp, tempfile, warnings
+
+        buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1, max_length=4,
+                                     sequence_length=1)
+        with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
+            buffer = buffer.add({"x": jnp.arange(6.0)[None]})  # 6 steps into a ring of 4
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert archive.write(buffer, on_lost="warn") == 4  # the 4 steps still held
+            assert [w.category for w in caught] == [eb.StepsLostWarning]
+            assert archive.steps_lost == 2 and archive.source_step(0) == 2
+        ```
+    """
 
 
 class ArchiveSample(NamedTuple):
     """Windows sampled from an archive: `experience` leaves `(batch, sequence_length, *leaf)`
     (NumPy), and for each window its `row` and the archive time index `start` of its first
-    step."""
+    step.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax.numpy as jnp, zarr
+
+        buffer = eb.TrajectoryBuffer({"t": jnp.float32(0)}, add_batch_size=2, max_length=16,
+                                     sequence_length=1)
+        buffer = buffer.add({"t": jnp.tile(jnp.arange(16.0), (2, 1))})  # step t holds t
+        with eb.Archive(zarr.storage.MemoryStore(), buffer) as archive:
+            archive.write(buffer)
+            sample = archive.sample(0, batch_size=8, sequence_length=3)
+        assert isinstance(sample, eb.ArchiveSample)
+        assert sample.experience["t"].shape == (8, 3) and sample.rows.shape == (8,)
+        assert (sample.experience["t"][:, 0] == sample.starts).all()
+        ```
+    """
 
     experience: PyTree[np.ndarray]
     rows: np.ndarray
@@ -1035,7 +1106,23 @@ class Archive:
     def refresh(self) -> int:
         """Move this reader's snapshot to the newest committed state; returns the length.
         (A writer's own state is always the newest; for one, this first waits for its
-        background writes, as `flush` does.)"""
+        background writes, as `flush` does.)
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, tempfile
+
+            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
+                                         max_length=16, sequence_length=1)
+            path = tempfile.mkdtemp() + "/run.zarr"
+            with eb.Archive(path, buffer) as writer:
+                reader = eb.Archive(path, mode="r")
+                writer.write(buffer.add({"x": jnp.arange(4.0)[None]}))
+                assert len(reader) == 0  # its snapshot is from before the write
+                assert reader.refresh() == 4 and len(reader) == 4
+            ```
+        """
         if not self.read_only:
             self.flush()
         record = _get_json(self.store, "zarr.json")
@@ -1047,7 +1134,24 @@ class Archive:
 
     def close(self) -> None:
         """Finish the background writes (raising the error of one that failed), then release
-        the writer lock (also done at exit); reads still work afterwards."""
+        the writer lock (also done at exit); reads still work afterwards.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, tempfile
+
+            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
+                                         max_length=16, sequence_length=1)
+            path = tempfile.mkdtemp() + "/run.zarr"
+            archive = eb.Archive(path, buffer)
+            archive.write(buffer.add({"x": jnp.arange(4.0)[None]}))
+            archive.close()  # another writer may open it now
+            assert archive.read()["x"].tolist() == [[0.0, 1.0, 2.0, 3.0]]
+            with eb.Archive(path, buffer) as again:
+                assert len(again) == 4
+            ```
+        """
         try:
             self.flush()
         finally:
@@ -1090,13 +1194,48 @@ class Archive:
         return self._commit.segments()
 
     def source_step(self, index: int | np.integer) -> int:
-        """The source buffer's absolute step stored at archive time index `index`."""
+        """The source buffer's absolute step stored at archive time index `index`.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, tempfile, warnings
+
+            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
+                                         max_length=4, sequence_length=1)
+            with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer, on_lost="warn") as archive:
+                buffer = buffer.add({"x": jnp.arange(4.0)[None]})
+                archive.write(buffer)  # source steps 0 to 3
+                buffer = buffer.add({"x": jnp.arange(4.0, 10.0)[None]})  # 4 and 5 overwritten
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the StepsLostWarning
+                    archive.write(buffer)  # source steps 6 to 9
+                assert [archive.source_step(i) for i in (3, 4, 7)] == [3, 6, 9]
+                assert archive.segments == [(0, 4), (4, 8)]
+            ```
+        """
         index = int(index)
         self._check_range("source_step()", index, index + 1)
         return self._commit.source_step(index)
 
     def nbytes(self) -> tuple[int, int]:
-        """`(raw, stored)`: the bytes of the committed data and the bytes the store holds."""
+        """`(raw, stored)`: the bytes of the committed data and the bytes the store holds.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, tempfile
+
+            buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(64, jnp.uint8)}, add_batch_size=2,
+                                         max_length=1024, sequence_length=1)
+            buffer = buffer.add({"obs": jnp.zeros((2, 1024, 64), jnp.uint8)})
+            with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
+                archive.write(buffer)
+                raw, stored = archive.nbytes()
+            assert raw == 2 * 1024 * 64  # rows * steps * bytes per step
+            assert 0 < stored < raw  # zeros compress well
+            ```
+        """
         raw = (
             self._commit.length
             * self.rows
@@ -1106,7 +1245,22 @@ class Archive:
         return raw, stored
 
     def compression_ratio(self) -> float:
-        """Raw bytes over stored bytes of the committed data."""
+        """Raw bytes over stored bytes of the committed data.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, tempfile
+
+            buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(64, jnp.uint8)}, add_batch_size=2,
+                                         max_length=1024, sequence_length=1)
+            buffer = buffer.add({"obs": jnp.zeros((2, 1024, 64), jnp.uint8)})
+            with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
+                archive.write(buffer)
+                raw, stored = archive.nbytes()
+                assert archive.compression_ratio() == raw / stored > 10
+            ```
+        """
         raw, stored = self.nbytes()
         return raw / stored if stored else float("nan")
 
@@ -1143,6 +1297,23 @@ class Archive:
         were written raise `StepsLostError`, or with `on_lost="warn"` are reported with a
         `StepsLostWarning` and recorded as a gap. Writes started by `write_async` are
         finished first (and their error, if one failed, raised).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, tempfile
+
+            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
+                                         max_length=16, sequence_length=1)
+            with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
+                buffer = buffer.add({"x": jnp.arange(3.0)[None]})
+                assert archive.write(buffer) == 3  # the 3 new steps
+                assert archive.write(buffer) == 0  # nothing new since
+                buffer = buffer.add({"x": jnp.arange(3.0, 5.0)[None]})
+                assert archive.write(buffer) == 2
+                assert len(archive) == archive.source_steps == 5
+                assert archive.read()["x"].tolist() == [[0.0, 1.0, 2.0, 3.0, 4.0]]
+            ```
         """
         self.flush()
         plan = self._plan(buffer, on_lost, "Archive.write()", copy=False)
@@ -1205,7 +1376,23 @@ class Archive:
 
     def flush(self) -> None:
         """Wait for every write started by `write_async`; raise the error of one that
-        failed (once: the archive is then back at its last commit, and writes may go on)."""
+        failed (once: the archive is then back at its last commit, and writes may go on).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, tempfile
+
+            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
+                                         max_length=16, sequence_length=1)
+            with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
+                buffer = buffer.add({"x": jnp.arange(4.0)[None]})
+                future = archive.write_async(buffer)
+                archive.flush()  # wait for the background write
+                assert future.done() and future.result() == 4
+                assert len(archive) == 4
+            ```
+        """
         pending, self._pending = self._pending, []
         concurrent.futures.wait(pending)
         self._planned = None
@@ -1629,6 +1816,23 @@ class Archive:
         `(rows, stop - start, *leaf)` in the buffer's tree structure (a dict by leaf name
         without `like`). Asking beyond the committed length raises an `IndexError` that
         says how many steps there are.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, tempfile
+
+            buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(3)}, add_batch_size=2, max_length=16,
+                                         sequence_length=1)
+            path = tempfile.mkdtemp() + "/run.zarr"
+            with eb.Archive(path, buffer) as archive:
+                archive.write(buffer.add({"obs": jnp.arange(60.0).reshape(2, 10, 3)}))
+                obs = archive.read(-2)["obs"]  # the last 2 steps of both rows
+                assert obs.shape == (2, 2, 3) and obs[0, 0, 0] == 24.0
+                assert archive.read(0, 5, rows=[1])["obs"].shape == (1, 5, 3)
+            reader = eb.Archive(path, mode="r")  # without `like`: a dict by leaf name
+            assert reader.read()["obs"].shape == (2, 10, 3)
+            ```
         """
         where = "Archive.read()"
         n = self._commit.length
@@ -1674,7 +1878,23 @@ class Archive:
     ) -> Iterator[tuple[int, PyTree[np.ndarray]]]:
         """Iterate over `[start, stop)` in blocks of `steps` time steps (default
         `block_steps`: about 32 MiB, or a shard), yielding `(index of the block's first step,
-        data)` with data as in `read`. The snapshot is the one current when iteration starts."""
+        data)` with data as in `read`. The snapshot is the one current when iteration starts.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, tempfile
+
+            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
+                                         max_length=16, sequence_length=1)
+            with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
+                archive.write(buffer.add({"x": jnp.arange(10.0)[None]}))
+                blocks = list(archive.iter(4))
+            assert [start for start, _ in blocks] == [0, 4, 8]
+            assert [data["x"].shape for _, data in blocks] == [(1, 4), (1, 4), (1, 2)]
+            assert blocks[2][1]["x"].tolist() == [[8.0, 9.0]]
+            ```
+        """
         where = "Archive.iter()"
         steps = self.block_steps if steps is None else check_positive_int(where, "steps", steps)
         n = self._commit.length
@@ -1693,6 +1913,24 @@ class Archive:
         in its ring, within the last contiguous segment), with its counters set as if the
         source had added steps up to `stop`: ready for offline training with its own
         `sample`. The steps must fit in `max_length` and not cross a gap of lost steps.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp, tempfile
+
+            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
+                                         max_length=16, sequence_length=1)
+            path = tempfile.mkdtemp() + "/run.zarr"
+            with eb.Archive(path, buffer) as archive:
+                archive.write(buffer.add({"x": jnp.arange(10.0)[None]}))
+            small = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1, max_length=4,
+                                        sequence_length=2)
+            small = eb.Archive(path, small, mode="r").load(small, 2, 6)  # archive steps 2 to 5
+            assert small.storage.steps_added() == 6  # as if the source had added 6 steps
+            assert sorted(small.storage.data["x"][0].tolist()) == [2.0, 3.0, 4.0, 5.0]
+            assert small.sample(jax.random.key(0), batch_size=8).experience["x"].shape == (8, 2)
+            ```
         """
         where = "Archive.load()"
         storage = _storage_of(buffer, where)
@@ -1730,7 +1968,25 @@ class Archive:
     def restore(self, buffer: Any) -> Any:
         """Return `buffer` holding the newest steps of the archive (as many as fit, after the
         last gap), with its count of steps added equal to `source_steps`, so that a resumed
-        run continues where the archive stopped and `write` never writes a step twice."""
+        run continues where the archive stopped and `write` never writes a step twice.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, tempfile
+
+            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
+                                         max_length=16, sequence_length=1)
+            path = tempfile.mkdtemp() + "/run.zarr"
+            with eb.Archive(path, buffer) as archive:
+                archive.write(buffer.add({"x": jnp.arange(10.0)[None]}))
+            with eb.Archive(path, buffer) as archive:  # a resumed run, with an empty buffer
+                buffer = archive.restore(buffer)
+                assert buffer.storage.steps_added() == archive.source_steps == 10
+                buffer = buffer.add({"x": jnp.arange(10.0, 12.0)[None]})
+                assert archive.write(buffer) == 2  # only the new steps
+            ```
+        """
         storage = _storage_of(buffer, "Archive.restore()")
         n = self._commit.length
         start = max(n - storage.length, self._commit.segments()[-1][0] if n else 0)
@@ -1754,6 +2010,21 @@ class Archive:
         `rows` (default all), `start` a multiple of `period` (archive time index), and the
         window inside the committed length and inside one contiguous segment (never across a
         gap of lost steps). Raises `ValueError` when there is no such window.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, numpy as np, tempfile
+
+            buffer = eb.TrajectoryBuffer({"t": jnp.float32(0)}, add_batch_size=2, max_length=16,
+                                         sequence_length=1)
+            with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
+                archive.write(buffer.add({"t": jnp.tile(jnp.arange(16.0), (2, 1))}))  # t at t
+                batch = archive.sample(np.random.default_rng(0), 8, sequence_length=4, period=2)
+            assert batch.experience["t"].shape == (8, 4)
+            assert (batch.starts % 2 == 0).all() and (batch.starts <= 12).all()
+            assert (batch.experience["t"] == batch.starts[:, None] + np.arange(4)).all()
+            ```
         """
         where = "Archive.sample()"
         batch_size = check_positive_int(where, "batch_size", batch_size)

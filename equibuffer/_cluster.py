@@ -21,6 +21,21 @@ class ClusteredSample(eqx.Module):
     - `experience`: the sampled items, leaves `(batch, *leaf)`.
     - `cluster`: `(batch,)` int32, the cluster each item was drawn from.
     - `indices`: `(batch,)` int32, `cluster * cluster_capacity + slot` of each item.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=4, num_clusters=2,
+                                    cluster_capacity=8,
+                                    cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
+        buffer = buffer.add({"x": jnp.array([-1.0, 2.0, -3.0, 4.0])})
+        sample = buffer.sample(jax.random.key(0), batch_size=8)
+        assert isinstance(sample, eb.ClusteredSample) and sample.cluster.dtype == jnp.int32
+        assert ((sample.experience["x"] > 0) == (sample.cluster == 1)).all()
+        assert (sample.indices // 8 == sample.cluster).all()  # cluster * cluster_capacity + slot
+        ```
     """
 
     experience: PyTree[Shaped[Array, "batch ..."]]
@@ -127,15 +142,55 @@ class ClusteredBuffer(eqx.Module):
             )
 
     def can_sample(self) -> BoolScalar:
-        """Whether any item was ever added (0-d bool; independent of the routing)."""
+        """Whether any item was ever added (0-d bool; independent of the routing).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=2, num_clusters=2,
+                                        cluster_capacity=4,
+                                        cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
+            assert not buffer.can_sample()
+            buffer = buffer.add({"x": jnp.ones(2)})
+            assert buffer.can_sample() and buffer.can_sample().dtype == jnp.bool_
+            ```
+        """
         return self.any_added
 
     def size(self) -> IntScalar:
-        """The number of items held over all clusters (0-d int32)."""
+        """The number of items held over all clusters (0-d int32).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=2, num_clusters=2,
+                                        cluster_capacity=4,
+                                        cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
+            buffer = buffer.add({"x": jnp.ones((2, 3))})  # 6 items, all to cluster 1, which holds 4
+            assert int(buffer.size()) == 4 and buffer.size().dtype == jnp.int32
+            ```
+        """
         return jnp.sum(self.fill, dtype=jnp.int32)
 
     def cluster_sizes(self) -> Int[Array, " clusters"]:
-        """The number of items held in each cluster, `(num_clusters,)` int32."""
+        """The number of items held in each cluster, `(num_clusters,)` int32.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=2, num_clusters=2,
+                                        cluster_capacity=4,
+                                        cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
+            buffer = buffer.add({"x": jnp.array([[1.0, -1.0, 2.0], [-3.0, 4.0, 5.0]])})
+            assert buffer.cluster_sizes().tolist() == [2, 4]
+            ```
+        """
         return self.fill
 
     def steps_in(self, batch: ExperienceBatch, where: str = "add()") -> int | None:
@@ -166,6 +221,20 @@ class ClusteredBuffer(eqx.Module):
 
         Raises inside jit (through `eqx.error_if`) when `cluster_fn` gives an id outside
         `[0, num_clusters)`.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=2, num_clusters=2,
+                                        cluster_capacity=2,
+                                        cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
+            buffer = buffer.add({"x": jnp.array([1.0, -1.0])})  # one item per row
+            buffer = buffer.add({"x": jnp.array([[2.0, 3.0], [-2.0, 4.0]])})  # two items per row
+            assert buffer.cluster_sizes().tolist() == [2, 2]
+            assert sorted(buffer.data["x"][1].tolist()) == [3.0, 4.0]  # cluster 1 kept its newest 2
+            ```
         """
         where = "ClusteredBuffer.add()"
         t = self.steps_in(batch, where)
@@ -214,6 +283,19 @@ class ClusteredBuffer(eqx.Module):
         that cluster.
 
         Raises inside jit (through `eqx.error_if`) when the buffer holds no item.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=4, num_clusters=2,
+                                        cluster_capacity=8, weights=(0.0, 1.0),
+                                        cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
+            buffer = buffer.add({"x": jnp.array([-1.0, 2.0, -3.0, 4.0])})
+            sample = buffer.sample(jax.random.key(0), batch_size=16)
+            assert sample.experience["x"].shape == (16,) and (sample.experience["x"] > 0).all()
+            ```
         """
         batch_size = check_positive_int("ClusteredBuffer.sample()", "batch_size", batch_size)
         k, cap = self.num_clusters, self.cluster_capacity

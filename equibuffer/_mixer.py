@@ -28,6 +28,20 @@ class MixedSample(eqx.Module):
         `indices` and `steps`: what [`equibuffer.Mixer.set_priorities`][] routes back. Their
         `experience` is `None`: those rows are in `experience` (not held twice, so a
         `MixedSample` returned from a jitted step carries the batch once).
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        a = eb.ItemBuffer({"x": jnp.zeros(2)}, add_batch_size=1, capacity=8)
+        b = eb.PrioritisedItemBuffer({"x": jnp.zeros(2)}, add_batch_size=1, capacity=8)
+        a, b = a.add({"x": jnp.ones((1, 2))}), b.add({"x": jnp.zeros((1, 2))})
+        sample = eb.Mixer((a, b), proportions=(0.5, 0.5)).sample(jax.random.key(0), 4)
+        assert isinstance(sample, eb.MixedSample) and sample.source.tolist() == [0, 0, 1, 1]
+        assert sample.experience["x"][:, 0].tolist() == [1.0, 1.0, 0.0, 0.0]
+        assert sample.samples[1].experience is None and sample.weights.tolist() == [1.0] * 4
+        ```
     """
 
     experience: PyTree[Shaped[Array, "batch ..."]]
@@ -113,13 +127,38 @@ class Mixer(eqx.Module):
 
     def counts(self, batch_size: int) -> tuple[int, ...]:
         """The number of rows each source gives to a batch of `batch_size` (static ints,
-        largest-remainder rounding; they sum to `batch_size`)."""
+        largest-remainder rounding; they sum to `batch_size`).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffers = [eb.ItemBuffer({"x": jnp.zeros(2)}, add_batch_size=1, capacity=8)] * 3
+            mixer = eb.Mixer(buffers, proportions=(0.5, 0.25, 0.25))
+            assert mixer.counts(8) == (4, 2, 2)
+            assert mixer.counts(5) == (3, 1, 1)  # 2.5, 1.25, 1.25: the spare row to the largest .5
+            ```
+        """
         batch_size = check_positive_int("Mixer.counts()", "batch_size", batch_size)
         return largest_remainder(self.proportions, batch_size)
 
     def can_sample(self) -> BoolScalar:
         """Whether every source of positive proportion can be sampled (0-d bool, a function of
-        the sources' counters only)."""
+        the sources' counters only).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            a = eb.ItemBuffer({"x": jnp.zeros(2)}, add_batch_size=1, capacity=8)
+            b = eb.ItemBuffer({"x": jnp.zeros(2)}, add_batch_size=1, capacity=8)
+            a = a.add({"x": jnp.ones((1, 2))})
+            assert not eb.Mixer((a, b), proportions=(0.5, 0.5)).can_sample()  # b is empty
+            assert eb.Mixer((a, b), proportions=(1.0, 0.0)).can_sample()  # b gives no rows
+            ```
+        """
         ready = [
             b.can_sample() for b, p in zip(self.buffers, self.proportions, strict=True) if p > 0
         ]
@@ -141,6 +180,21 @@ class Mixer(eqx.Module):
 
         A [`equibuffer.MixedSample`][]. Each source raises inside jit as its own `sample`
         does when it cannot be sampled.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            a = eb.ItemBuffer({"x": jnp.zeros(2)}, add_batch_size=1, capacity=8)
+            b = eb.PrioritisedItemBuffer({"x": jnp.zeros(2)}, add_batch_size=1, capacity=8)
+            a, b = a.add({"x": jnp.ones((1, 2))}), b.add({"x": jnp.zeros((1, 2))})
+            mixer = eb.Mixer((a, b), proportions=(0.75, 0.25))
+            sample = mixer.sample(jax.random.key(0), batch_size=8, beta=0.4)
+            assert sample.experience["x"].shape == (8, 2)
+            assert sample.source.tolist() == [0] * 6 + [1] * 2
+            assert sample.experience["x"][:, 0].tolist() == [1.0] * 6 + [0.0] * 2
+            ```
         """
         counts = self.counts(batch_size)
         keys = jax.random.split(key, len(self.buffers))
@@ -178,6 +232,20 @@ class Mixer(eqx.Module):
         **Returns:**
 
         The mixer with its prioritised sources updated (see their `set_priorities`).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            a = eb.ItemBuffer({"x": jnp.zeros(2)}, add_batch_size=1, capacity=8)
+            b = eb.PrioritisedItemBuffer({"x": jnp.zeros(2)}, add_batch_size=1, capacity=8)
+            a, b = a.add({"x": jnp.ones((1, 2))}), b.add({"x": jnp.zeros((1, 2))})
+            mixer = eb.Mixer((a, b), proportions=(0.5, 0.5))
+            sample = mixer.sample(jax.random.key(0), batch_size=4)
+            mixer = mixer.set_priorities(sample, jnp.array([9.0, 9.0, 2.0, 2.0]))
+            assert float(mixer.buffers[1].max_priority) == 2.0  # rows 2-3 went to source 1
+            ```
         """
         priorities = jnp.asarray(priorities)
         batch = sample.source.shape[0]

@@ -34,6 +34,18 @@ class NStepTransition(eqx.Module):
     - `discount`: the bootstrap discount, `0` when the episode terminated within the `steps`
         steps, `discount**steps` otherwise (a truncation does not zero it).
     - `steps`: the number of steps taken, `n`, or fewer when the episode ended first.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        steps = {"reward": jnp.ones((2, 3)), "terminated": jnp.array([[False] * 3, [True] * 3])}
+        t = eb.n_step_transition(steps, n=2, discount=0.5, truncated=None)
+        assert isinstance(t, eb.NStepTransition) and t.reward.tolist() == [1.5, 1.0]
+        assert t.steps.tolist() == [2, 1] and t.discount.tolist() == [0.25, 0.0]
+        assert t.first["reward"].shape == (2,) and t.second["reward"].shape == (2,)
+        ```
     """
 
     first: PyTree[Shaped[Array, "batch ..."]]

@@ -165,7 +165,23 @@ class RateLimited(eqx.Module):
     def credit(self) -> Float[Array, ""]:
         """`samples_per_insert * (steps inserted, counted) - (windows sampled)`, as a 0-d
         float32 (exact below 2**24 in magnitude for dyadic `samples_per_insert`; the limiter
-        itself compares the exact whole and fractional parts)."""
+        itself compares the exact whole and fractional parts).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.ItemBuffer({"x": jnp.zeros(())}, add_batch_size=2, capacity=16)
+            limited = eb.RateLimited(buffer, samples_per_insert=0.75, tolerance=4.0)
+            assert float(limited.credit()) == 0.0
+            limited = limited.add({"x": jnp.zeros((2, 2))})  # 0.75 * 2 rows * 2 steps
+            assert float(limited.credit()) == 3.0
+            limited, _ = limited.sample(jax.random.key(0), batch_size=2)  # 3 - 2
+            limited = limited.add({"x": jnp.zeros(2)})  # + 0.75 * 2 rows * 1 step
+            assert float(limited.credit()) == 2.5
+            ```
+        """
         return self.credit_whole.astype(jnp.float32) + self.credit_fraction
 
     def min_tolerance(self, batch_size: int, steps: int = 1) -> float:
@@ -199,6 +215,20 @@ class RateLimited(eqx.Module):
 
         Raises a `ValueError` when `2 * tolerance < spi * add_batch_size * steps + 1`: no
         batch size avoids a deadlock then.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.ItemBuffer({"x": jnp.zeros(())}, add_batch_size=2, capacity=16)
+            limited = eb.RateLimited(buffer, samples_per_insert=1.0, tolerance=4.0)
+            assert bool(limited.can_add())  # warming up: always true
+            limited = limited.add({"x": jnp.zeros((2, 2))})  # credit 1.0 * 2 * 2 = 4
+            assert not bool(limited.can_add())  # 4 + 2 > tolerance
+            limited, _ = limited.sample(jax.random.key(0), batch_size=2)  # credit 2
+            assert bool(limited.can_add()) and not bool(limited.can_add(steps=2))  # 2 + 2, 2 + 4
+            ```
         """
         where = f"{type(self).__name__}.can_add()"
         steps = check_positive_int(where, "steps", steps)
@@ -217,6 +247,21 @@ class RateLimited(eqx.Module):
 
         Raises a `ValueError` when `2 * tolerance < batch_size + spi * add_batch_size`: the
         loop can deadlock even with one-step adds.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.ItemBuffer({"x": jnp.zeros(())}, add_batch_size=2, capacity=16)
+            limited = eb.RateLimited(buffer, samples_per_insert=1.0, tolerance=3.0)
+            assert not bool(limited.can_sample(4))  # the buffer is empty
+            limited = limited.add({"x": jnp.zeros((2, 2))})  # credit 4
+            assert bool(limited.can_sample(4))  # 4 - 4 >= -3
+            limited, _ = limited.sample(jax.random.key(0), batch_size=4)  # credit 0
+            assert not bool(limited.can_sample(4))  # 0 - 4 < -3
+            assert bool(limited.can_sample(3))  # 0 - 3 >= -3
+            ```
         """
         where = f"{type(self).__name__}.can_sample()"
         batch_size = self._batch_size(where, batch_size)
@@ -237,6 +282,20 @@ class RateLimited(eqx.Module):
         The updated limiter (an add is never refused: check `can_add(T)` first). Raises
         inside jit (through `eqx.error_if`) if the credit would pass 2**30, which only a loop
         that keeps adding without sampling reaches.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            example = {"x": jnp.zeros(())}
+            buffer = eb.TrajectoryBuffer(example, add_batch_size=2, sequence_length=3, max_length=8)
+            limited = eb.RateLimited(buffer, samples_per_insert=1.0, tolerance=8.0)
+            limited = limited.add({"x": jnp.zeros((2, 2))})  # 2 steps per row: no window yet
+            assert float(limited.credit()) == 0.0  # warm-up: not counted
+            limited = limited.add({"x": jnp.zeros(2)})  # sampleable now: counts 1.0 * 2 * 1
+            assert float(limited.credit()) == 2.0 and int(limited.buffer.size()) == 6
+            ```
         """
         where = f"{type(self).__name__}.add()"
         t = self.buffer.steps_in(batch, where)
@@ -280,6 +339,19 @@ class RateLimited(eqx.Module):
         first); the buffer raises as usual when it cannot be sampled at all. Raises inside
         jit (through `eqx.error_if`) if the credit would fall below -2**30, which only a loop
         that keeps sampling without adding reaches.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.ItemBuffer({"x": jnp.zeros(2)}, add_batch_size=2, capacity=16)
+            limited = eb.RateLimited(buffer, samples_per_insert=2.0, tolerance=12.0)
+            limited = limited.add({"x": jnp.ones((2, 3, 2))})  # credit 2 * 2 * 3 = 12
+            limited, sample = limited.sample(jax.random.key(0), batch_size=5)
+            assert sample.experience["x"].shape == (5, 2) and sample.indices.shape == (5,)
+            assert float(limited.credit()) == 7.0
+            ```
         """
         where = f"{type(self).__name__}.sample()"
         batch_size = self._batch_size(where, batch_size)

@@ -70,7 +70,19 @@ class RingStorage(eqx.Module):
         self.count_hi = jnp.array(0, jnp.uint32)
 
     def example(self) -> PyTree[jax.ShapeDtypeStruct]:
-        """The shape and dtype of one step, as `jax.ShapeDtypeStruct`s."""
+        """The shape and dtype of one step, as `jax.ShapeDtypeStruct`s.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            example = {"obs": jnp.zeros(3), "done": jnp.zeros((), bool)}
+            spec = eb.RingStorage(example, rows=2, length=5).example()
+            assert spec["obs"].shape == (3,) and spec["obs"].dtype == jnp.float32
+            assert spec["done"].shape == () and spec["done"].dtype == jnp.bool_
+            ```
+        """
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), self.data)
 
     def steps_added(self) -> int:
@@ -90,6 +102,22 @@ class RingStorage(eqx.Module):
 
         Returns `None` for a single step (leaves `(rows, *leaf)`), else `T` for leaves
         `(rows, T, *leaf)`. Raises a `ValueError`/`TypeError` naming the first bad leaf.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            storage = eb.RingStorage({"obs": jnp.zeros(3)}, rows=2, length=5)
+            assert storage.steps_in({"obs": jnp.zeros((2, 3))}) is None  # one step
+            assert storage.steps_in({"obs": jnp.zeros((2, 7, 3))}) == 7  # T steps (any T >= 1)
+            try:
+                storage.steps_in({"obs": jnp.zeros((3, 3))}, where="my_add()")  # 3 rows, not 2
+            except ValueError as error:
+                assert str(error).startswith("my_add(): leaf")
+            else:
+                raise AssertionError("not refused")
+            ```
         """
         got = check_structure(where, jax.tree.structure(self.data), batch)
         steps: int | None = None
@@ -135,6 +163,20 @@ class RingStorage(eqx.Module):
 
         Under `eqx.filter_jit(donate=...)` the write is in place: its cost is that of the data
         added, not of the ring.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            storage = eb.RingStorage({"x": jnp.zeros(())}, rows=1, length=3)
+            storage = storage.write({"x": jnp.array([[1.0, 2.0]])})  # 2 steps: slots 0 and 1
+            storage = storage.write({"x": jnp.array([[3.0, 4.0]])})  # 3 to slot 2, 4 wraps to 0
+            assert storage.data["x"].tolist() == [[4.0, 2.0, 3.0]]
+            assert int(storage.head) == 1 and int(storage.fill) == 3 and storage.steps_added() == 4
+            storage = storage.write({"x": jnp.array([5.0])})  # one step: leaves (rows, *leaf)
+            assert storage.data["x"].tolist() == [[4.0, 5.0, 3.0]]
+            ```
         """
         t = self.steps_in(batch, where)
         if t is None:
@@ -186,7 +228,19 @@ class RingStorage(eqx.Module):
         )
 
     def count_mod(self, modulus: int) -> IntScalar:
-        """`steps_added mod modulus` (exact for any count, computed in 32-bit words)."""
+        """`steps_added mod modulus` (exact for any count, computed in 32-bit words).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            storage = eb.RingStorage({"x": jnp.zeros(())}, rows=1, length=4)
+            storage = storage.write({"x": jnp.zeros((1, 10))})  # 10 steps added
+            assert int(storage.count_mod(4)) == 2 and int(storage.count_mod(3)) == 1
+            assert int(storage.count_mod(100_000)) == 10
+            ```
+        """
         m = int(modulus)
         if m == 1:
             return jnp.array(0, jnp.int32)

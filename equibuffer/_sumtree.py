@@ -108,12 +108,34 @@ class SumTree(eqx.Module):
         return tuple(self.nodes[o : o + n] for o, n in zip(offsets, sizes, strict=False))
 
     def total(self) -> Float[Array, ""]:
-        """The sum of all leaves (the root), a 0-d float32."""
+        """The sum of all leaves (the root), a 0-d float32.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import equibuffer as eb
+
+            tree = eb.SumTree(4).set(jnp.array([0, 3]), jnp.array([1.5, 2.5]))
+            assert tree.total().shape == () and float(tree.total()) == 4.0
+            ```
+        """
         return self.nodes[-1]
 
     def get(self, indices: Int[ArrayLike, " batch"]) -> Float[Array, " batch"]:
         """The leaves at `indices` (any int dtype, each in `[0, capacity)`; checked inside jit
-        with `eqx.error_if`)."""
+        with `eqx.error_if`).
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import equibuffer as eb
+
+            tree = eb.SumTree(4).set(jnp.array([1, 3]), jnp.array([2.0, 5.0]))
+            assert tree.get(jnp.array([3, 0, 1])).tolist() == [5.0, 0.0, 2.0]
+            ```
+        """
         indices = self._check_indices("SumTree.get()", indices)
         indices = eqx.error_if(
             indices, _out_of_range(indices, self.capacity), _index_message("SumTree.get()", self)
@@ -137,7 +159,18 @@ class SumTree(eqx.Module):
         return self.nodes.at[indices].get(mode="promise_in_bounds")
 
     def values(self) -> Float[Array, " capacity"]:
-        """All `capacity` leaves."""
+        """All `capacity` leaves.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import equibuffer as eb
+
+            tree = eb.SumTree(5).set(jnp.array([4]), jnp.array([2.0]))
+            assert tree.values().tolist() == [0.0, 0.0, 0.0, 0.0, 2.0]
+            ```
+        """
         return self.nodes[: self.capacity]
 
     # ----------------------------------------------------------------- writes
@@ -156,6 +189,17 @@ class SumTree(eqx.Module):
         Inside jit, `eqx.error_if` raises on an index outside `[0, capacity)` or on a value
         that is negative, NaN or infinite (one check). Values are cast to float32; a
         subnormal one is stored as 0 (see the class docstring).
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import equibuffer as eb
+
+            tree = eb.SumTree(4).set(jnp.array([0, 2]), jnp.array([1.0, 3.0]))
+            tree = tree.set(jnp.array([2]), jnp.array([0.5]))  # overwrites leaf 2
+            assert tree.values().tolist() == [1.0, 0.0, 0.5, 0.0] and float(tree.total()) == 1.5
+            ```
         """
         where = "SumTree.set()"
         indices = self._check_indices(where, indices)
@@ -187,6 +231,17 @@ class SumTree(eqx.Module):
     ) -> "SumTree":
         """Unchecked batched write (indices in `[0, capacity)`, values non-negative and finite),
         for the buffers. Entries where `mask` is false are skipped. Duplicates: as for `set`.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import equibuffer as eb
+
+            indices, values = jnp.array([0, 1, 3]), jnp.array([1.0, 2.0, 4.0])
+            tree = eb.SumTree(4).write(indices, values, mask=jnp.array([True, False, True]))
+            assert tree.values().tolist() == [1.0, 0.0, 0.0, 4.0] and float(tree.total()) == 5.0
+            ```
         """
         k = self.fanout
         sizes, offsets = _layout(self.capacity, self.fanout, self.top)
@@ -313,6 +368,18 @@ class SumTree(eqx.Module):
 
         `(batch_size,)` int32 indices. Leaves of zero priority are never drawn. When the total
         is zero every draw is meaningless (the buffers raise before it matters).
+
+        !!! example
+
+            ```python
+            import jax, jax.numpy as jnp
+            import equibuffer as eb
+
+            tree = eb.SumTree(4).set(jnp.array([1, 2]), jnp.array([1.0, 3.0]))
+            draws = tree.sample(jax.random.key(0), 400)
+            assert draws.shape == (400,) and set(draws.tolist()) <= {1, 2}  # never a zero leaf
+            assert abs(int((draws == 2).sum()) - 300) <= 1  # stratified: 3:1 to within one draw
+            ```
         """
         return self.sample_values(key, batch_size, stratified=stratified)[0]
 
@@ -342,7 +409,19 @@ class SumTree(eqx.Module):
     def find(self, prefix: Float[Array, " batch"]) -> Int[Array, " batch"]:
         """The leaf whose cumulative range `[sum of leaves before it, + itself)` holds each
         `prefix` in `[0, total)`; a prefix at or past the total (float rounding) maps to the
-        last leaf of positive value, so a zero leaf is never returned while `total() > 0`."""
+        last leaf of positive value, so a zero leaf is never returned while `total() > 0`.
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import equibuffer as eb
+
+            tree = eb.SumTree(3).set(jnp.array([0, 2]), jnp.array([1.0, 3.0]))  # [0, 1) and [1, 4)
+            assert tree.find(jnp.array([0.0, 0.99, 1.0, 3.5])).tolist() == [0, 0, 2, 2]
+            assert tree.find(jnp.array([4.0])).tolist() == [2]  # at the total: last positive leaf
+            ```
+        """
         return self.search(prefix)[0]
 
     def search(

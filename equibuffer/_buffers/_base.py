@@ -16,7 +16,20 @@ from .._windows import uniform_windows, window_layout
 
 class Transition(eqx.Module):
     """A batch of consecutive pairs of steps of one row: `first` at time `t`, `second` at
-    `t + 1`, each a tree with leaves `(batch, *leaf)`."""
+    `t + 1`, each a tree with leaves `(batch, *leaf)`.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        buffer = eb.TransitionBuffer({"t": jnp.int32(0)}, add_batch_size=1, capacity=8)
+        buffer = buffer.add({"t": jnp.arange(5, dtype=jnp.int32)[None]})
+        pair = buffer.sample(jax.random.key(0), batch_size=16).experience
+        assert isinstance(pair, eb.Transition) and pair.first["t"].shape == (16,)
+        assert (pair.second["t"] == pair.first["t"] + 1).all()
+        ```
+    """
 
     first: PyTree[Shaped[Array, "batch ..."]]
     second: PyTree[Shaped[Array, "batch ..."]]
@@ -32,6 +45,20 @@ class Sample(eqx.Module):
         step of each sampled window: what `set_priorities` takes in the prioritised buffers.
     - `steps`: `(batch,)` uint32, the absolute step (mod 2**32) at which each window starts,
         which tells whether its slot has been overwritten since.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        buffer = eb.TrajectoryBuffer({"x": jnp.zeros(2)}, add_batch_size=2, max_length=8,
+                                     sequence_length=3)
+        buffer = buffer.add({"x": jnp.ones((2, 5, 2))})
+        sample = buffer.sample(jax.random.key(0), batch_size=4)
+        assert isinstance(sample, eb.Sample) and sample.experience["x"].shape == (4, 3, 2)
+        assert sample.indices.dtype == jnp.int32 and sample.steps.dtype == jnp.uint32
+        assert (sample.steps <= 2).all()  # windows of 3 of the 5 steps start at step 0, 1 or 2
+        ```
     """
 
     experience: Any
@@ -87,6 +114,19 @@ class AbstractBuffer(AbstractRingHolder):
 
     Concrete buffers are final; they differ only in their configuration and in the shape of
     what `sample` returns.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        buffer = eb.TrajectoryBuffer({"x": jnp.zeros(2)}, add_batch_size=2, max_length=8,
+                                     sequence_length=3)
+        assert isinstance(buffer, eb.AbstractBuffer) and not buffer.can_sample()
+        buffer = buffer.add({"x": jnp.ones((2, 3, 2))})
+        assert buffer.can_sample() and int(buffer.size()) == 6
+        assert buffer.sample(jax.random.key(0), batch_size=4).experience["x"].shape == (4, 3, 2)
+        ```
     """
 
     sequence_length: eqx.AbstractVar[int]
@@ -106,22 +146,75 @@ class AbstractBuffer(AbstractRingHolder):
         **Returns:**
 
         The updated buffer. Under `eqx.filter_jit(donate="all")` the write is in place.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.ItemBuffer({"x": jnp.zeros(3)}, add_batch_size=2, max_length=4)
+            buffer = buffer.add({"x": jnp.ones((2, 3))})  # one step per row
+            assert int(buffer.size()) == 2
+            buffer = buffer.add({"x": jnp.ones((2, 5, 3))})  # 5 more per row: the newest 4 are kept
+            assert int(buffer.size()) == 8 == buffer.capacity
+            ```
         """
 
     def num_windows(self) -> IntScalar:
         """The number of windows that can be sampled now (0-d int32); depends only on the
-        counters, so it stays unbatched when a training run is vmapped over seeds."""
+        counters, so it stays unbatched when a training run is vmapped over seeds.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.TrajectoryBuffer({"x": jnp.zeros(2)}, add_batch_size=2, max_length=16,
+                                         sequence_length=4, period=2)
+            buffer = buffer.add({"x": jnp.ones((2, 10, 2))})
+            # in each row, windows start at steps 0, 2, 4 and 6 (the last one ends at step 9)
+            assert int(buffer.num_windows()) == 8 and buffer.num_windows().dtype == jnp.int32
+            ```
+        """
         return window_layout(self.storage, self.sequence_length, self.period)[1] * (
             self.storage.rows
         )
 
     def can_sample(self) -> BoolScalar:
         """Whether `sample` may be called: at least `min_length` steps are held per row and
-        there is at least one valid window (0-d bool, a function of the counters only)."""
+        there is at least one valid window (0-d bool, a function of the counters only).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.TrajectoryBuffer({"x": jnp.zeros(2)}, add_batch_size=1, max_length=8,
+                                         sequence_length=3)
+            buffer = buffer.add({"x": jnp.ones((1, 2, 2))})
+            assert not buffer.can_sample()  # 2 steps per row, fewer than sequence_length
+            buffer = buffer.add({"x": jnp.ones((1, 2))})
+            assert buffer.can_sample() and buffer.can_sample().dtype == jnp.bool_
+            ```
+        """
         return (self.storage.fill >= self.min_length) & (self.num_windows() > 0)
 
     def size(self) -> IntScalar:
-        """The number of steps held, over all rows (0-d int32)."""
+        """The number of steps held, over all rows (0-d int32).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.ItemBuffer({"x": jnp.zeros(3)}, add_batch_size=2, max_length=4)
+            assert int(buffer.size()) == 0
+            buffer = buffer.add({"x": jnp.ones((2, 3, 3))})
+            assert int(buffer.size()) == 6 and buffer.size().dtype == jnp.int32
+            buffer = buffer.add({"x": jnp.ones((2, 3, 3))})
+            assert int(buffer.size()) == 8  # full: 4 steps per row
+            ```
+        """
         return self.storage.fill * self.storage.rows
 
     def _draw_indices(self, key: PRNGKeyArray, batch_size: int) -> tuple[Indices, Steps]:
@@ -173,6 +266,18 @@ class AbstractBuffer(AbstractRingHolder):
         """Draw `batch_size` windows uniformly, with replacement, over all valid windows.
 
         Raises inside jit (through `eqx.error_if`) when `can_sample()` is false.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.TrajectoryBuffer({"t": jnp.int32(0)}, add_batch_size=1, max_length=8,
+                                         sequence_length=2)
+            buffer = buffer.add({"t": jnp.arange(5, dtype=jnp.int32)[None]})
+            t = buffer.sample(jax.random.key(0), batch_size=6).experience["t"]
+            assert t.shape == (6, 2) and (t[:, 1] == t[:, 0] + 1).all()
+            ```
         """
 
 

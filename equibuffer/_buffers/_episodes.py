@@ -54,6 +54,21 @@ class EpisodeSample(Sample):
     - `mask`: `(batch, sequence_length)` bool, true at the steps that belong to the window's
         episode. With `mode="never_cross"` it is all true; with `mode="pad"` it is false
         after the first episode end in the window, and the experience is zero there.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        example = {"r": jnp.float32(0), "done": jnp.bool_(False)}
+        buffer = eb.EpisodeTrajectoryBuffer(example, add_batch_size=1, max_length=8,
+                                            sequence_length=3, mode="pad")
+        done = jnp.array([[False, True, False, False, False]])  # episodes 0-1 and 2-4
+        buffer = buffer.add({"r": jnp.ones((1, 5)), "done": done})
+        sample = buffer.sample(jax.random.key(0), batch_size=16)
+        assert isinstance(sample, eb.EpisodeSample) and sample.mask.shape == (16, 3)
+        assert (sample.experience["r"] == sample.mask.astype(jnp.float32)).all()  # 0 past the end
+        ```
     """
 
     mask: Bool[Array, "batch sequence"]
@@ -388,6 +403,20 @@ class EpisodeTrajectoryBuffer(AbstractBuffer):
         `add_batch_size * min(T + sequence_length - 1, max_length)` windows and reads
         `sequence_length - 1` episode flags for each, never the whole ring; under
         `eqx.filter_jit(donate="all")` the write is in place.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.EpisodeTrajectoryBuffer({"done": jnp.bool_(False)}, add_batch_size=1,
+                                                max_length=8, sequence_length=3, episode_end="done")
+            buffer = buffer.add({"done": jnp.array([[False, False, True]])})  # a 3-step episode
+            assert int(buffer.num_valid_windows()) == 1
+            buffer = buffer.add({"done": jnp.array([False])})  # one step, leaves (add_batch_size,)
+            buffer = buffer.add({"done": jnp.array([[False, False]])})  # the next episode: 3 steps
+            assert int(buffer.num_valid_windows()) == 2 and int(buffer.size()) == 6
+            ```
         """
         where = f"{type(self).__name__}.add()"
         storage, ends, offsets, _ = _write(
@@ -399,7 +428,21 @@ class EpisodeTrajectoryBuffer(AbstractBuffer):
         """Return the buffer with `fn` applied to every stored step (see
         [`equibuffer.AbstractBuffer.update`][]); the episode ends are recomputed from the
         updated steps, and with them every window's validity (a cost of order the capacity
-        times `sequence_length`)."""
+        times `sequence_length`).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.EpisodeTrajectoryBuffer({"done": jnp.bool_(False)}, add_batch_size=1,
+                                                max_length=8, sequence_length=3)
+            buffer = buffer.add({"done": jnp.array([[True, False, False, False, False]])})
+            assert int(buffer.num_valid_windows()) == 2  # steps 1-3 and 2-4
+            buffer = buffer.update(lambda step: {"done": jnp.zeros_like(step["done"])})
+            assert int(buffer.num_valid_windows()) == 3  # no episode end left: steps 0-2 too
+            ```
+        """
         storage = update_storage(self.storage, fn, type(self).__name__)
         ends = _ends_of(self.episode_end, storage.data)
         return self._refresh(storage, ends, jnp.arange(storage.length, dtype=jnp.int32))
@@ -449,6 +492,21 @@ class EpisodeTrajectoryBuffer(AbstractBuffer):
 
         Raises inside jit (through `eqx.error_if`) when `can_sample()` is false, or when it is
         true but no window fits inside an episode.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            example = {"t": jnp.int32(0), "done": jnp.bool_(False)}
+            buffer = eb.EpisodeTrajectoryBuffer(example, add_batch_size=1, max_length=16,
+                                                sequence_length=3)
+            done = jnp.arange(10) % 5 == 4  # two episodes: steps 0-4 and 5-9
+            buffer = buffer.add({"t": jnp.arange(10, dtype=jnp.int32)[None], "done": done[None]})
+            sample = buffer.sample(jax.random.key(0), batch_size=8)
+            assert sample.experience["t"].shape == (8, 3) and sample.mask.all()
+            assert (sample.experience["t"][:, 0] % 5 <= 2).all()  # never across steps 4 and 5
+            ```
         """
         where = f"{type(self).__name__}.sample()"
         batch_size = check_positive_int(where, "batch_size", batch_size)
@@ -575,6 +633,22 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
         The updated buffer. The bookkeeping touches
         `add_batch_size * min(T + sequence_length - 1, max_length)` windows, never the
         whole ring; under `eqx.filter_jit(donate="all")` the write is in place.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.PrioritisedEpisodeTrajectoryBuffer(
+                {"done": jnp.bool_(False)}, add_batch_size=1, max_length=8, sequence_length=3,
+                alpha=1.0)
+            buffer = buffer.add({"done": jnp.array([[False, False, True]])})  # one valid window
+            sample = buffer.sample(jax.random.key(0), batch_size=2)
+            buffer = buffer.set_priorities(sample, jnp.full(2, 4.0))
+            buffer = buffer.add({"done": jnp.zeros((1, 3), bool)})  # a new one, entering at 4
+            # two valid windows, both at priority 4
+            assert jnp.allclose(buffer.sample(jax.random.key(1), batch_size=4).probabilities, 0.5)
+            ```
         """
         where = f"{type(self).__name__}.add()"
         storage, ends, offsets, keep = _write(
@@ -588,7 +662,21 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
         [`equibuffer.AbstractBuffer.update`][]); the episode ends and every window's validity
         are recomputed (a cost of order the capacity times `sequence_length`). Windows valid
         before and after keep their priority; newly valid ones enter at the largest priority
-        seen; the others get 0."""
+        seen; the others get 0.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.PrioritisedEpisodeTrajectoryBuffer(
+                {"done": jnp.bool_(False)}, add_batch_size=1, max_length=8, sequence_length=3)
+            buffer = buffer.add({"done": jnp.array([[True, False, False, False, False]])})
+            assert int(buffer.num_valid_windows()) == 2  # steps 1-3 and 2-4
+            buffer = buffer.update(lambda step: {"done": jnp.zeros_like(step["done"])})
+            assert int(buffer.num_valid_windows()) == 3  # no episode end left: steps 0-2 too
+            ```
+        """
         storage = update_storage(self.storage, fn, type(self).__name__)
         ends = _ends_of(self.episode_end, storage.data)
         offsets = jnp.arange(storage.length, dtype=jnp.int32)
@@ -669,6 +757,21 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
 
         Raises inside jit (through `eqx.error_if`) when `can_sample()` is false, when it is
         true but no window fits the episode rule, or when every valid window has priority 0.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            example = {"r": jnp.float32(0), "done": jnp.bool_(False)}
+            buffer = eb.PrioritisedEpisodeTrajectoryBuffer(example, add_batch_size=1, max_length=8,
+                                                           sequence_length=3, mode="pad")
+            done = jnp.array([[False, True, False, False, False]])  # episodes 0-1 and 2-4
+            buffer = buffer.add({"r": jnp.ones((1, 5)), "done": done})
+            sample = buffer.sample(jax.random.key(0), batch_size=6, beta=0.5)
+            assert sample.experience["r"].shape == (6, 3) and sample.weights.shape == (6,)
+            assert (sample.experience["r"] == sample.mask.astype(jnp.float32)).all()  # padded: 0
+            ```
         """
         sample = AbstractPrioritisedBuffer.sample(self, key, batch_size, beta)
         mask = _mask(self.storage, self.ends, sample.indices, self.sequence_length, self.mode)

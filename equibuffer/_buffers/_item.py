@@ -57,7 +57,19 @@ class ItemBuffer(AbstractBuffer):
 
     def add(self, batch: ExperienceBatch) -> "ItemBuffer":
         """Append one step `(add_batch_size, *leaf)` or `T` steps
-        `(add_batch_size, T, *leaf)` to every row; see [`equibuffer.AbstractBuffer.add`][]."""
+        `(add_batch_size, T, *leaf)` to every row; see [`equibuffer.AbstractBuffer.add`][].
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.ItemBuffer({"x": jnp.zeros(3)}, add_batch_size=4, capacity=8)
+            buffer = buffer.add({"x": jnp.ones((4, 3))})  # one item per row
+            buffer = buffer.add({"x": jnp.ones((4, 5, 3))})  # 5 per row: only the newest 2 are kept
+            assert buffer.max_length == 2 and int(buffer.size()) == 8
+            ```
+        """
         return add_to_storage(self, batch)
 
     def sample(self, key: PRNGKeyArray, batch_size: int) -> Sample:
@@ -66,6 +78,17 @@ class ItemBuffer(AbstractBuffer):
         **Returns:**
 
         A [`equibuffer.Sample`][] whose `experience` leaves are `(batch_size, *leaf)`.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.ItemBuffer({"x": jnp.int32(0)}, add_batch_size=2, capacity=10)
+            buffer = buffer.add({"x": jnp.array([[1, 2, 3], [4, 5, 6]], jnp.int32)})
+            x = buffer.sample(jax.random.key(0), batch_size=16).experience["x"]
+            assert x.shape == (16,) and x.dtype == jnp.int32 and ((x >= 1) & (x <= 6)).all()
+            ```
         """
         indices, steps = self._draw_indices(key, batch_size)
         (items,) = gather_steps(self.storage, indices, 1)

@@ -30,6 +30,22 @@ class PrioritisedSample(Sample):
 
     Pass the whole sample back to `set_priorities`: its `steps` tell which windows have been
     overwritten since, and their updates are dropped.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        buffer = eb.PrioritisedItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=8,
+                                          alpha=1.0)
+        buffer = buffer.add({"x": jnp.arange(4.0)[None]})
+        slots = jnp.arange(4)  # one row: item x sits in slot x, added at step x
+        steps = slots.astype(jnp.uint32)
+        buffer = buffer.set_priorities(slots, jnp.arange(1.0, 5.0), steps=steps)  # x + 1
+        sample = buffer.sample(jax.random.key(1), batch_size=8, beta=1.0)
+        assert jnp.allclose(sample.probabilities, (sample.experience["x"] + 1) / 10)
+        assert sample.weights.dtype == jnp.float32 and float(sample.weights.max()) == 1.0
+        ```
     """
 
     probabilities: Float[Array, " batch"]
@@ -66,6 +82,20 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
         uniform over the windows of positive priority).
     - `can_sample()` depends only on the counters, as for the uniform buffers; a state with
         ready counters but no window of positive priority makes `sample` raise.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        buffer = eb.PrioritisedItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=8)
+        assert isinstance(buffer, eb.AbstractPrioritisedBuffer)
+        buffer = buffer.add({"x": jnp.arange(4.0)[None]})
+        slots = jnp.arange(4)  # one row: item x sits in slot x, added at step x
+        only_2 = jnp.array([0.0, 0.0, 1.0, 0.0])
+        buffer = buffer.set_priorities(slots, only_2, steps=slots.astype(jnp.uint32))
+        assert (buffer.sample(jax.random.key(1), batch_size=8).experience["x"] == 2).all()
+        ```
     """
 
     tree: eqx.AbstractVar[SumTree]
@@ -93,6 +123,20 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
         The updated buffer. The priority bookkeeping touches
         `add_batch_size * min(T + sequence_length - 1, max_length)` leaves, never the whole
         tree; under `eqx.filter_jit(donate="all")` the write is in place.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.PrioritisedItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=8,
+                                              alpha=1.0)
+            buffer = buffer.add({"x": jnp.zeros((1, 2))})
+            slots = jnp.arange(2)  # one row: slots 0 and 1, added at steps 0 and 1
+            buffer = buffer.set_priorities(slots, jnp.full(2, 3.0), steps=slots.astype(jnp.uint32))
+            buffer = buffer.add({"x": jnp.ones(1)})  # enters at the largest priority set, 3
+            assert jnp.allclose(buffer.sample(jax.random.key(1), batch_size=6).probabilities, 1 / 3)
+            ```
         """
         where = f"{type(self).__name__}.add()"
         t = self.storage.steps_in(batch, where)
@@ -149,6 +193,20 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
 
         Raises inside jit (through `eqx.error_if`) when `can_sample()` is false, or when it is
         true but every valid window has priority 0.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.PrioritisedTrajectoryBuffer({"obs": jnp.zeros(2)}, add_batch_size=2,
+                                                    max_length=16, sequence_length=4)
+            buffer = buffer.add({"obs": jnp.ones((2, 8, 2))})
+            sample = buffer.sample(jax.random.key(0), batch_size=8, beta=0.4)
+            assert sample.experience["obs"].shape == (8, 4, 2)
+            # equal priorities: each of the 2 * 5 windows has probability 1/10, every weight is 1
+            assert jnp.allclose(sample.probabilities, 0.1) and jnp.allclose(sample.weights, 1.0)
+            ```
         """
         where = f"{type(self).__name__}.sample()"
         batch_size = check_positive_int(where, "batch_size", batch_size)
@@ -224,6 +282,21 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
         gets the same priority; deduplicate first if not). The largest priority given for a
         current window (duplicates included) raises the priority at which
         new windows enter.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.PrioritisedItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=8)
+            buffer = buffer.add({"x": jnp.arange(4.0)[None]})
+            sample = buffer.sample(jax.random.key(0), batch_size=4)
+            updated = buffer.set_priorities(sample, jnp.full(4, 5.0))
+            assert float(updated.max_priority) == 5.0  # new items will enter at priority 5
+            overwritten = buffer.add({"x": jnp.zeros((1, 8))})  # every sampled item replaced
+            stale = overwritten.set_priorities(sample, jnp.full(4, 5.0))
+            assert float(stale.max_priority) == 1.0  # the updates were dropped
+            ```
         """
         where = f"{type(self).__name__}.set_priorities()"
         if isinstance(sample, Sample):

@@ -78,16 +78,58 @@ class Queue(AbstractRingHolder):
         self.unread = jnp.array(0, jnp.int32)
 
     def can_add(self, steps: int = 1) -> BoolScalar:
-        """Whether `steps` more steps per row fit without overwriting unread ones (0-d bool)."""
+        """Whether `steps` more steps per row fit without overwriting unread ones (0-d bool).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            example = {"x": jnp.zeros(())}
+            queue = eb.Queue(example, add_batch_size=2, max_length=4, sequence_length=2)
+            queue = queue.add({"x": jnp.zeros((2, 3))})  # 3 of the 4 slots per row unread
+            assert bool(queue.can_add()) and not bool(queue.can_add(2))
+            queue, _ = queue.sample()  # 1 unread
+            assert bool(queue.can_add(3))
+            ```
+        """
         steps = check_positive_int("Queue.can_add()", "steps", steps)
         return self.unread + steps <= self.storage.length
 
     def can_sample(self) -> BoolScalar:
-        """Whether every row holds at least `sequence_length` unread steps (0-d bool)."""
+        """Whether every row holds at least `sequence_length` unread steps (0-d bool).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            example = {"x": jnp.zeros(())}
+            queue = eb.Queue(example, add_batch_size=2, max_length=4, sequence_length=2)
+            queue = queue.add({"x": jnp.zeros(2)})  # one step per row: fewer than sequence_length
+            assert not bool(queue.can_sample())
+            queue = queue.add({"x": jnp.zeros(2)})
+            assert bool(queue.can_sample())
+            ```
+        """
         return self.unread >= self.sequence_length
 
     def size(self) -> IntScalar:
-        """The number of unread steps, over all rows (0-d int32)."""
+        """The number of unread steps, over all rows (0-d int32).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            example = {"x": jnp.zeros(())}
+            queue = eb.Queue(example, add_batch_size=3, max_length=8, sequence_length=2)
+            queue = queue.add({"x": jnp.zeros((3, 5))})
+            assert int(queue.size()) == 15  # 5 unread steps in each of 3 rows
+            queue, _ = queue.sample()
+            assert int(queue.size()) == 9
+            ```
+        """
         return self.unread * self.storage.rows
 
     def add(self, batch: ExperienceBatch) -> "Queue":
@@ -103,6 +145,20 @@ class Queue(AbstractRingHolder):
         The updated queue. Raises inside jit (through `eqx.error_if`) when the queue has no
         room for `T` more steps per row (`can_add(T)` is false): unread steps are never
         overwritten. Under `eqx.filter_jit(donate="all")` the write is in place.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            example = {"x": jnp.zeros(())}
+            queue = eb.Queue(example, add_batch_size=2, max_length=4, sequence_length=2)
+            queue = queue.add({"x": jnp.array([1.0, 2.0])})  # one step: leaves (rows,)
+            queue = queue.add({"x": jnp.array([[3.0, 5.0], [4.0, 6.0]])})  # 2 steps: (rows, 2)
+            assert int(queue.size()) == 6 and bool(queue.can_add()) and not bool(queue.can_add(2))
+            queue, sample = queue.sample()
+            assert sample.experience["x"].tolist() == [[1.0, 3.0], [2.0, 4.0]]
+            ```
         """
         t = self.storage.steps_in(batch, "Queue.add()")
         t = 1 if t is None else t
@@ -132,6 +188,21 @@ class Queue(AbstractRingHolder):
         indices `row * max_length + slot` of each row's first step, `steps` their absolute
         step (mod 2**32). Raises inside jit (through `eqx.error_if`) when `can_sample()` is
         false: nothing is invented.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            example = {"x": jnp.zeros(())}
+            queue = eb.Queue(example, add_batch_size=1, max_length=4, sequence_length=2)
+            queue = queue.add({"x": jnp.array([[1.0, 2.0, 3.0]])})
+            queue, first = queue.sample()  # the oldest 2 unread steps
+            assert first.experience["x"].tolist() == [[1.0, 2.0]] and int(queue.size()) == 1
+            queue = queue.add({"x": jnp.array([[4.0]])})
+            queue, second = queue.sample()  # in order, across the end of the ring
+            assert second.experience["x"].tolist() == [[3.0, 4.0]] and second.steps.tolist() == [2]
+            ```
         """
         storage, s = self.storage, self.sequence_length
         length = storage.length
@@ -155,5 +226,20 @@ class Queue(AbstractRingHolder):
 
     def update(self, fn: UpdateFn) -> "Queue":
         """Return the queue with `fn` applied to every stored step, as
-        [`equibuffer.AbstractBuffer.update`][] does (unwritten slots untouched)."""
+        [`equibuffer.AbstractBuffer.update`][] does (unwritten slots untouched).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            example = {"r": jnp.float32(0)}
+            queue = eb.Queue(example, add_batch_size=2, max_length=4, sequence_length=1)
+            queue = queue.add({"r": jnp.array([1.0, 2.0])})
+            queue = queue.update(lambda step: {"r": step["r"] + 10})  # one step at a time
+            assert queue.storage.data["r"][:, 1].tolist() == [0.0, 0.0]  # unwritten slots untouched
+            queue, sample = queue.sample()
+            assert sample.experience["r"].tolist() == [[11.0], [12.0]]
+            ```
+        """
         return eqx.tree_at(lambda q: q.storage, self, update_storage(self.storage, fn, "Queue"))

@@ -68,7 +68,20 @@ class TrajectoryBuffer(AbstractBuffer):
 
     def add(self, batch: ExperienceBatch) -> "TrajectoryBuffer":
         """Append one step `(add_batch_size, *leaf)` or `T` steps
-        `(add_batch_size, T, *leaf)` to every row; see [`equibuffer.AbstractBuffer.add`][]."""
+        `(add_batch_size, T, *leaf)` to every row; see [`equibuffer.AbstractBuffer.add`][].
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(4)}, add_batch_size=2, max_length=10,
+                                         sequence_length=3)
+            buffer = buffer.add({"obs": jnp.ones((2, 4))})  # one step per row
+            buffer = buffer.add({"obs": jnp.ones((2, 5, 4))})  # five steps per row
+            assert int(buffer.size()) == 12 and buffer.can_sample()
+            ```
+        """
         return add_to_storage(self, batch)
 
     def sample(self, key: PRNGKeyArray, batch_size: int) -> Sample:
@@ -78,6 +91,18 @@ class TrajectoryBuffer(AbstractBuffer):
 
         A [`equibuffer.Sample`][] whose `experience` leaves are
         `(batch_size, sequence_length, *leaf)`.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.TrajectoryBuffer({"t": jnp.int32(0)}, add_batch_size=2, max_length=10,
+                                         sequence_length=4, period=2)
+            buffer = buffer.add({"t": jnp.tile(jnp.arange(8, dtype=jnp.int32), (2, 1))})
+            t = buffer.sample(jax.random.key(0), batch_size=5).experience["t"]
+            assert t.shape == (5, 4) and (t[:, 0] % 2 == 0).all()  # starts at multiples of period
+            ```
         """
         indices, steps = self._draw_indices(key, batch_size)
         windows = gather(self.storage, indices, self.sequence_length)

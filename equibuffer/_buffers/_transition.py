@@ -112,7 +112,20 @@ class TransitionBuffer(AbstractBuffer):
 
     def add(self, batch: ExperienceBatch) -> "TransitionBuffer":
         """Append one step `(add_batch_size, *leaf)` or `T` steps
-        `(add_batch_size, T, *leaf)` to every row; see [`equibuffer.AbstractBuffer.add`][]."""
+        `(add_batch_size, T, *leaf)` to every row; see [`equibuffer.AbstractBuffer.add`][].
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.TransitionBuffer({"obs": jnp.zeros(4)}, add_batch_size=2, max_length=10)
+            buffer = buffer.add({"obs": jnp.ones((2, 4))})  # one step per row
+            assert not buffer.can_sample()  # a transition needs two steps in a row
+            buffer = buffer.add({"obs": jnp.ones((2, 3, 4))})  # three more per row
+            assert buffer.can_sample() and int(buffer.size()) == 8
+            ```
+        """
         return add_to_storage(self, batch)
 
     def sample(self, key: PRNGKeyArray, batch_size: int) -> Sample:
@@ -123,6 +136,18 @@ class TransitionBuffer(AbstractBuffer):
         A [`equibuffer.Sample`][] whose `experience` is a [`equibuffer.Transition`][] with
         leaves `(batch_size, *leaf)`, or with `n_step` an [`equibuffer.NStepTransition`][]
         (drawn uniformly over the windows of `n_step + 1` steps held).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.TransitionBuffer({"t": jnp.float32(0)}, add_batch_size=1, max_length=10)
+            buffer = buffer.add({"t": jnp.arange(6.0)[None]})
+            sample = buffer.sample(jax.random.key(0), batch_size=8)
+            first, second = sample.experience.first["t"], sample.experience.second["t"]
+            assert first.shape == (8,) and (second == first + 1).all()
+            ```
         """
         if self.n_step is not None and self.discount is not None:
             where = "TransitionBuffer.sample()"

@@ -1421,8 +1421,8 @@ class Archive:
             raise OverflowError(f"{where}: {total} steps is beyond int64.")
         if total < c.source_steps:
             raise ValueError(
-                f"{where}: the buffer has added {total} steps but the archive already holds the "
-                f"source up to step {c.source_steps}; resume a run with "
+                f"{where}: the buffer's count of steps added is {total}, but the archive "
+                f"already holds the source up to step {c.source_steps}; resume a run with "
                 "`buffer = archive.restore(buffer)` before writing."
             )
         new = total - c.source_steps

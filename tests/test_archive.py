@@ -180,7 +180,11 @@ def test_reopen_continues_and_restore_resumes(location):
     # Resuming a run: a fresh buffer restored from the archive writes nothing twice.
     with location.open(buffer) as archive:
         fresh = new_buffer()
-        with pytest.raises(ValueError, match=r"restore\(buffer\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"count of steps added is 3, but the archive already holds the source up to "
+            r"step 30; resume a run with `buffer = archive.restore\(buffer\)`",
+        ):
             archive.write(add(fresh, 3))
         restored = archive.restore(fresh)
         st = restored.storage

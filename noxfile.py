@@ -1,16 +1,27 @@
 """Every check of the project, one session each: `nox -s tests`, `nox -s lint`, ...
 
 Environments are built with uv from the dependency groups in pyproject.toml.
+
+`tests` and `demo` run on the Python that runs nox (any supported one: 3.11, 3.12 or 3.13), so
+the README's two commands work on a machine with only its default Python. `tests-all` runs the
+whole suite on every supported Python (CI runs it); a Python that a session asks for and that is
+not found is an error, never a silent skip.
 """
+
+import sys
 
 import nox
 
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["tests", "lint", "typecheck"]
+# A session whose Python is missing fails (nox's default outside CI is to skip it and exit 0).
+nox.options.error_on_missing_interpreters = True
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 PYTHONS = ["3.11", "3.12", "3.13"]
+# The Python running nox (what a fresh machine has), for the sessions a newcomer runs.
+HERE = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
 def install(session: nox.Session, *groups: str, package: str = ".") -> None:
@@ -18,11 +29,21 @@ def install(session: nox.Session, *groups: str, package: str = ".") -> None:
     session.install("-e", package, *deps)
 
 
-@nox.session(python=PYTHONS)
-def tests(session: nox.Session) -> None:
-    """The test suite (jaxtyping + beartype runtime checks on), on every supported Python."""
+def run_tests(session: nox.Session) -> None:
     install(session, "tests")
     session.run("pytest", "-n", "2", "--dist", "loadfile", *session.posargs)
+
+
+@nox.session(python=HERE)
+def tests(session: nox.Session) -> None:
+    """The test suite (jaxtyping + beartype runtime checks on), on the Python that runs nox."""
+    run_tests(session)
+
+
+@nox.session(python=PYTHONS, name="tests-all")
+def tests_all(session: nox.Session) -> None:
+    """The test suite on every supported Python; a missing one is an error (CI runs this)."""
+    run_tests(session)
 
 
 @nox.session(python="3.12")
@@ -40,7 +61,7 @@ def typecheck(session: nox.Session) -> None:
     session.run("pyright")
 
 
-@nox.session(python="3.12")
+@nox.session(python=HERE)
 def demo(session: nox.Session) -> None:
     """The README's demo: a DQN learning CartPole with a TransitionBuffer in its train state."""
     install(session, "demo")

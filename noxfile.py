@@ -46,7 +46,7 @@ def tests_all(session: nox.Session) -> None:
     run_tests(session)
 
 
-@nox.session(python="3.12")
+@nox.session(python=HERE)
 def lint(session: nox.Session) -> None:
     """ruff: formatting and lint (imports sorted)."""
     session.install(*nox.project.dependency_groups(PYPROJECT, "lint"))

@@ -1,6 +1,6 @@
 """Ring storage: a `(rows, length)` ring of a pytree, the state every buffer is built on."""
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -13,6 +13,20 @@ from ._custom_types import Count, ExampleTree, ExperienceBatch, IntScalar
 
 
 _TWO_32 = 1 << 32
+
+
+class Appended(NamedTuple):
+    """What a write tells the sampling rules: the steps it kept and where they went.
+
+    - `keep`: the number of steps written per row (static): `min(T, length)`.
+    - `start`: the slot of the first of them (0-d int32); they fill slots
+        `start, start + 1, ...` modulo `length`.
+    - `steps`: the kept steps, leaves `(rows, keep, *leaf)`.
+    """
+
+    keep: int
+    start: Int[Array, ""]
+    steps: ExperienceBatch
 
 
 class RingStorage(eqx.Module):
@@ -178,6 +192,31 @@ class RingStorage(eqx.Module):
             assert storage.data["x"].tolist() == [[4.0, 5.0, 3.0]]
             ```
         """
+        return self.append(batch, where)[0]
+
+    def append(
+        self, batch: ExperienceBatch, where: str = "add()"
+    ) -> tuple["RingStorage", Appended]:
+        """`write`, also returning what the sampling rules need to keep in step: the
+        [`equibuffer.RingStorage`][]'s one add path (the batch is checked once, here).
+
+        **Returns:**
+
+        `(storage, appended)`: the updated storage, and an `Appended` record of the number
+        of steps kept per row (`keep`, static), the slot of the first (`start`) and the kept
+        steps themselves, leaves `(rows, keep, *leaf)`.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            storage = eb.RingStorage({"x": jnp.zeros(())}, rows=1, length=3)
+            storage, appended = storage.append({"x": jnp.array([[1.0, 2.0, 3.0, 4.0]])})
+            assert appended.keep == 3 and int(appended.start) == 1  # steps 2, 3, 4 kept
+            assert appended.steps["x"].tolist() == [[2.0, 3.0, 4.0]]
+            ```
+        """
         t = self.steps_in(batch, where)
         if t is None:
             batch = jax.tree.map(lambda x: jnp.asarray(x)[:, None], batch)
@@ -221,11 +260,12 @@ class RingStorage(eqx.Module):
         fill = jnp.minimum(self.fill + keep, length)
         lo = self.count_lo + jnp.uint32(t % _TWO_32)
         hi = self.count_hi + jnp.uint32(t // _TWO_32) + (lo < self.count_lo).astype(jnp.uint32)
-        return eqx.tree_at(
+        storage = eqx.tree_at(
             lambda s: (s.data, s.head, s.fill, s.count_lo, s.count_hi),
             self,
             (data, head, fill, lo, hi),
         )
+        return storage, Appended(keep, start.astype(jnp.int32), batch)
 
     def count_mod(self, modulus: int) -> IntScalar:
         """`steps_added mod modulus` (exact for any count, computed in 32-bit words).

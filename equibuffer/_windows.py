@@ -9,7 +9,7 @@ function of the ring's counters only, never of the stored data.
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int, PRNGKeyArray, PyTree, Shaped
+from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree, Shaped
 
 from ._custom_types import Indices, IntScalar, Steps
 from ._ring import RingStorage
@@ -32,10 +32,47 @@ def window_at(
 ) -> tuple[Int[Array, "*b"], Shaped[Array, "*b"]]:
     """Flat index `row * length + slot` and absolute start step (mod 2**32) of the window that
     starts `offset` steps after the oldest held step of `row`."""
-    length = storage.length
-    slot = (storage.head - storage.fill + offset + length) % length
-    step = storage.count_lo - storage.fill.astype(jnp.uint32) + offset.astype(jnp.uint32)
-    return row * length + slot, step
+    return row * storage.length + offset_slots(storage, offset), start_steps(storage, offset)
+
+
+def window_offsets(storage: RingStorage, indices: Indices) -> Int[Array, " batch"]:
+    """The offset, from the oldest held step of its row, of the step at each flat index
+    (`row * length + slot`); `fill` or more for a slot not written yet."""
+    slot = indices % storage.length
+    return (slot - storage.head + storage.fill) % storage.length
+
+
+def start_steps(storage: RingStorage, offset: Int[Array, "*b"]) -> Shaped[Array, "*b"]:
+    """The absolute step (mod 2**32) held `offset` steps after the oldest held step."""
+    return storage.count_lo - storage.fill.astype(jnp.uint32) + offset.astype(jnp.uint32)
+
+
+def windows_held(
+    storage: RingStorage, offsets: Int[Array, "*b"], sequence_length: int, period: int
+) -> Bool[Array, "*b"]:
+    """Whether the window starting `offsets` steps after the oldest held step (any integer:
+    negative or past the fill is not held) is valid by the counters: held, complete and
+    starting at a multiple of `period`. The one statement of the rule `window_layout` counts."""
+    first, count = window_layout(storage, sequence_length, period)
+    rel = offsets - first
+    valid = (offsets >= 0) & (rel >= 0)
+    if period == 1:  # (static: no integer division, a dozen ops each on CPU)
+        return valid & (rel < count)
+    return valid & (rel % period == 0) & (rel // period < count)
+
+
+def changed_offsets(storage: RingStorage, keep: int, sequence_length: int) -> Int[Array, " m"]:
+    """The offsets, oldest first, of the window starts whose status an add of `keep` steps per
+    row may have changed (`storage` is the ring after the add): those at the steps just
+    written (new data) and at the `sequence_length - 1` steps before them (complete only now),
+    capped at `length` so that no slot is named twice. The last `keep` are the new steps."""
+    m = min(keep + sequence_length - 1, storage.length)
+    return storage.fill - m + jnp.arange(m, dtype=jnp.int32)
+
+
+def offset_slots(storage: RingStorage, offsets: Int[Array, "*b"]) -> Int[Array, "*b"]:
+    """The slot of the step `offsets` steps after the oldest held step."""
+    return (storage.head - storage.fill + storage.length + offsets) % storage.length
 
 
 def uniform_windows(

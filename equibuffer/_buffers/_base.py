@@ -6,64 +6,15 @@ from typing import Any, TypeAlias, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, PRNGKeyArray, PyTree, Shaped
+from jaxtyping import Array, Bool, PRNGKeyArray, PyTree, Shaped
 
 from .._checks import check_positive_int, check_structure, keystr
-from .._custom_types import BoolScalar, ExperienceBatch, Indices, IntScalar, Steps
+from .._custom_types import BoolScalar, ExperienceBatch, IntScalar
 from .._ring import RingStorage
-from .._windows import uniform_windows, window_layout
-
-
-class Transition(eqx.Module):
-    """A batch of consecutive pairs of steps of one row: `first` at time `t`, `second` at
-    `t + 1`, each a tree with leaves `(batch, *leaf)`.
-
-    !!! example
-
-        ```python
-        import equibuffer as eb, jax, jax.numpy as jnp
-
-        buffer = eb.TransitionBuffer({"t": jnp.int32(0)}, add_batch_size=1, capacity=8)
-        buffer = buffer.add({"t": jnp.arange(5, dtype=jnp.int32)[None]})
-        pair = buffer.sample(jax.random.key(0), batch_size=16).experience
-        assert isinstance(pair, eb.Transition) and pair.first["t"].shape == (16,)
-        assert (pair.second["t"] == pair.first["t"] + 1).all()
-        ```
-    """
-
-    first: PyTree[Shaped[Array, "batch ..."]]
-    second: PyTree[Shaped[Array, "batch ..."]]
-
-
-class Sample(eqx.Module):
-    """What `sample` returns.
-
-    - `experience`: the sampled data. Leaves `(batch, sequence_length, *leaf)` for a
-        `TrajectoryBuffer`, a [`equibuffer.Transition`][] of `(batch, *leaf)` leaves for a
-        `TransitionBuffer`, `(batch, *leaf)` for an `ItemBuffer`.
-    - `indices`: `(batch,)` int32, the flat index `row * max_length + slot` of the first
-        step of each sampled window: what `set_priorities` takes in the prioritised buffers.
-    - `steps`: `(batch,)` uint32, the absolute step (mod 2**32) at which each window starts,
-        which tells whether its slot has been overwritten since.
-
-    !!! example
-
-        ```python
-        import equibuffer as eb, jax, jax.numpy as jnp
-
-        buffer = eb.TrajectoryBuffer({"x": jnp.zeros(2)}, add_batch_size=2, max_length=8,
-                                     sequence_length=3)
-        buffer = buffer.add({"x": jnp.ones((2, 5, 2))})
-        sample = buffer.sample(jax.random.key(0), batch_size=4)
-        assert isinstance(sample, eb.Sample) and sample.experience["x"].shape == (4, 3, 2)
-        assert sample.indices.dtype == jnp.int32 and sample.steps.dtype == jnp.uint32
-        assert (sample.steps <= 2).all()  # windows of 3 of the 5 steps start at step 0, 1 or 2
-        ```
-    """
-
-    experience: Any
-    indices: Indices
-    steps: Steps
+from .._windows import window_layout
+from ._rules import AbstractRule, AbstractUniformRule, Drawn, Window
+from ._samples import EpisodeSample, Sample, Transition as Transition
+from ._views import AbstractView
 
 
 _Buffer = TypeVar("_Buffer", bound="AbstractBuffer")
@@ -129,11 +80,22 @@ class AbstractBuffer(AbstractRingHolder):
         ```
     """
 
-    sequence_length: eqx.AbstractVar[int]
+    storage: eqx.AbstractVar[RingStorage]
+    rule: eqx.AbstractVar[AbstractRule]
+    view: eqx.AbstractVar[AbstractView]
     period: eqx.AbstractVar[int]
     min_length: eqx.AbstractVar[int]
 
-    @abc.abstractmethod
+    @property
+    def sequence_length(self) -> int:
+        """The number of consecutive steps one sampled element spans (its window)."""
+        return self.view.window_length
+
+    @property
+    def window(self) -> Window:
+        """The window the sampling rule draws: its length, period and name in errors."""
+        return Window(self.view.window_length, self.period, self.view.window_name)
+
     def add(self: _Buffer, batch: ExperienceBatch) -> _Buffer:
         """Return the buffer with `batch` appended to every row.
 
@@ -159,6 +121,9 @@ class AbstractBuffer(AbstractRingHolder):
             assert int(buffer.size()) == 8 == buffer.capacity
             ```
         """
+        storage, appended = self.storage.append(batch, f"{type(self).__name__}.add()")
+        rule = self.rule.added(storage, appended, self.window)
+        return eqx.tree_at(lambda b: (b.storage, b.rule), self, (storage, rule))
 
     def num_windows(self) -> IntScalar:
         """The number of windows that can be sampled now (0-d int32); depends only on the
@@ -217,19 +182,40 @@ class AbstractBuffer(AbstractRingHolder):
         """
         return self.storage.fill * self.storage.rows
 
-    def _draw_indices(self, key: PRNGKeyArray, batch_size: int) -> tuple[Indices, Steps]:
-        batch_size = check_positive_int(f"{type(self).__name__}.sample()", "batch_size", batch_size)
-        indices, steps = uniform_windows(
-            self.storage, key, batch_size, self.sequence_length, self.period
+    def num_valid_windows(self) -> IntScalar:
+        """The number of windows that can be drawn now (0-d int32). For a buffer whose
+        validity is a function of the counters it is `num_windows()`; with an episode rule it
+        depends on the stored episode ends (so it is batched under `vmap`: for branching use
+        `can_sample()`).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            buffer = eb.EpisodeTrajectoryBuffer({"done": jnp.bool_(False)}, add_batch_size=1,
+                                                max_length=8, sequence_length=3)
+            buffer = buffer.add({"done": jnp.array([[True, False, False, False, False]])})
+            assert int(buffer.num_windows()) == 3  # by the counters: starts 0, 1 and 2
+            assert int(buffer.num_valid_windows()) == 2  # inside an episode: steps 1-3 and 2-4
+            ```
+        """
+        return self.rule.count_valid(self.storage, self.window)
+
+    def _not_ready(self, where: str) -> str:
+        return (
+            f"{where}: the buffer cannot be sampled yet: it needs "
+            f"{self.view.needs(self.min_length)} per row. Check `buffer.can_sample()` first."
         )
-        indices = eqx.error_if(
-            indices,
-            ~self.can_sample(),
-            f"{type(self).__name__}.sample(): the buffer cannot be sampled yet: it needs at "
-            f"least min_length={self.min_length} steps per row and one window of "
-            f"sequence_length={self.sequence_length}. Check `buffer.can_sample()` first.",
-        )
-        return indices, steps
+
+    def _experience(self, drawn: Drawn) -> tuple[Any, Bool[Array, "batch window"] | None]:
+        """The view's experience of the drawn windows, padded past episode ends where the
+        rule says, and the rule's mask (None without episodes)."""
+        experience = self.view.gather(self.storage, drawn.indices)
+        mask = self.rule.mask(self.storage, drawn.indices, self.window)
+        if mask is not None:
+            experience = self.view.padded(experience, mask)
+        return experience, mask
 
     def update(self: _Buffer, fn: "UpdateFn") -> _Buffer:
         """Return the buffer with `fn` applied to every stored step (reward relabelling,
@@ -259,9 +245,22 @@ class AbstractBuffer(AbstractRingHolder):
             ```
         """
         storage = update_storage(self.storage, fn, type(self).__name__)
-        return eqx.tree_at(lambda b: b.storage, self, storage)
+        rule = self.rule.updated(storage, self.window)
+        return eqx.tree_at(lambda b: (b.storage, b.rule), self, (storage, rule))
 
     @abc.abstractmethod
+    def sample(self, key: PRNGKeyArray, batch_size: int) -> Sample:
+        """Draw `batch_size` windows (with replacement) by the buffer's rule; see the
+        concrete buffers."""
+        ...
+
+
+class AbstractUniformBuffer(AbstractBuffer):
+    """A buffer whose rule draws its valid windows uniformly."""
+
+    # (an AbstractVar may be narrowed by a subclass; pyright reads it as a mutable field)
+    rule: eqx.AbstractVar[AbstractUniformRule]  # pyright: ignore[reportIncompatibleVariableOverride]
+
     def sample(self, key: PRNGKeyArray, batch_size: int) -> Sample:
         """Draw `batch_size` windows uniformly, with replacement, over all valid windows.
 
@@ -279,6 +278,23 @@ class AbstractBuffer(AbstractRingHolder):
             assert t.shape == (6, 2) and (t[:, 1] == t[:, 0] + 1).all()
             ```
         """
+        where = f"{type(self).__name__}.sample()"
+        batch_size = check_positive_int(where, "batch_size", batch_size)
+        drawn = self.rule.draw(
+            self.storage,
+            self.window,
+            key,
+            batch_size,
+            self.can_sample(),
+            self._not_ready(where),
+            where,
+        )
+        experience, mask = self._experience(drawn)
+        if mask is None:
+            return Sample(experience=experience, indices=drawn.indices, steps=drawn.steps)
+        return EpisodeSample(
+            experience=experience, indices=drawn.indices, steps=drawn.steps, mask=mask
+        )
 
 
 UpdateFn: TypeAlias = Callable[[PyTree[Shaped[Array, "..."]]], PyTree[Shaped[Array, "..."]]]
@@ -311,13 +327,6 @@ def update_storage(storage: RingStorage, fn: UpdateFn, owner: str) -> RingStorag
 
     data = jax.tree.map(keep, storage.data, new)
     return eqx.tree_at(lambda s: s.data, storage, data)
-
-
-def add_to_storage(buffer: _Buffer, batch: ExperienceBatch) -> _Buffer:
-    """`add` of the uniform buffers: the write is all there is to it (its errors name the
-    buffer's `add`)."""
-    storage = buffer.storage.write(batch, f"{type(buffer).__name__}.add()")
-    return eqx.tree_at(lambda b: b.storage, buffer, storage)
 
 
 def resolve_length(

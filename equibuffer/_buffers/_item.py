@@ -1,14 +1,14 @@
 import equinox as eqx
-from jaxtyping import PRNGKeyArray
 
 from .._checks import check_positive_int
-from .._custom_types import ExampleTree, ExperienceBatch
+from .._custom_types import ExampleTree
 from .._ring import RingStorage
-from .._windows import gather_steps
-from ._base import AbstractBuffer, add_to_storage, check_window_config, resolve_length, Sample
+from ._base import AbstractUniformBuffer, check_window_config, resolve_length
+from ._rules import AbstractUniformRule, Uniform
+from ._views import AbstractView, ItemView
 
 
-class ItemBuffer(AbstractBuffer):
+class ItemBuffer(AbstractUniformBuffer):
     """A buffer of independent items: every stored step is one item, sampled uniformly.
 
     !!! example
@@ -24,7 +24,8 @@ class ItemBuffer(AbstractBuffer):
     """
 
     storage: RingStorage
-    sequence_length: int = eqx.field(static=True)
+    rule: AbstractUniformRule
+    view: AbstractView
     period: int = eqx.field(static=True)
     min_length: int = eqx.field(static=True)
 
@@ -50,46 +51,7 @@ class ItemBuffer(AbstractBuffer):
         where = "ItemBuffer()"
         rows = check_positive_int(where, "add_batch_size", add_batch_size)
         length = resolve_length(where, rows, max_length, capacity, max_size)
-        self.sequence_length, self.period, self.min_length = check_window_config(
-            where, length, 1, 1, min_length
-        )
+        _, self.period, self.min_length = check_window_config(where, length, 1, 1, min_length)
         self.storage = RingStorage(example, rows, length)
-
-    def add(self, batch: ExperienceBatch) -> "ItemBuffer":
-        """Append one step `(add_batch_size, *leaf)` or `T` steps
-        `(add_batch_size, T, *leaf)` to every row; see [`equibuffer.AbstractBuffer.add`][].
-
-        !!! example
-
-            ```python
-            import equibuffer as eb, jax, jax.numpy as jnp
-
-            buffer = eb.ItemBuffer({"x": jnp.zeros(3)}, add_batch_size=4, capacity=8)
-            buffer = buffer.add({"x": jnp.ones((4, 3))})  # one item per row
-            buffer = buffer.add({"x": jnp.ones((4, 5, 3))})  # 5 per row: only the newest 2 are kept
-            assert buffer.max_length == 2 and int(buffer.size()) == 8
-            ```
-        """
-        return add_to_storage(self, batch)
-
-    def sample(self, key: PRNGKeyArray, batch_size: int) -> Sample:
-        """Draw `batch_size` items uniformly over all items held (with replacement).
-
-        **Returns:**
-
-        A [`equibuffer.Sample`][] whose `experience` leaves are `(batch_size, *leaf)`.
-
-        !!! example
-
-            ```python
-            import equibuffer as eb, jax, jax.numpy as jnp
-
-            buffer = eb.ItemBuffer({"x": jnp.int32(0)}, add_batch_size=2, capacity=10)
-            buffer = buffer.add({"x": jnp.array([[1, 2, 3], [4, 5, 6]], jnp.int32)})
-            x = buffer.sample(jax.random.key(0), batch_size=16).experience["x"]
-            assert x.shape == (16,) and x.dtype == jnp.int32 and ((x >= 1) & (x <= 6)).all()
-            ```
-        """
-        indices, steps = self._draw_indices(key, batch_size)
-        (items,) = gather_steps(self.storage, indices, 1)
-        return Sample(experience=items, indices=indices, steps=steps)
+        self.rule = Uniform()
+        self.view = ItemView()

@@ -1,70 +1,32 @@
 """Prioritised replay (Schaul et al., 2016, proportional variant): the ring storage and the
 valid-window rule of the uniform buffers, with a `SumTree` holding one leaf per window start."""
 
-import abc
-import math
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import equinox as eqx
-import jax
-import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._checks import check_positive_int
-from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, Indices, Steps
+from .._custom_types import ExampleTree, Steps
 from .._ring import RingStorage
 from .._sumtree import SumTree
-from .._windows import flat_indices, gather, gather_steps, window_layout
-from ._base import AbstractBuffer, check_window_config, resolve_length, Sample, Transition
-
-
-class PrioritisedSample(Sample):
-    """What a prioritised buffer's `sample` returns: a [`equibuffer.Sample`][] (`experience`,
-    `indices`, `steps`) plus
-
-    - `probabilities`: `(batch,)` float32, the probability `P(i) = p_i**alpha / sum_k p_k**alpha`
-        with which each window was drawn.
-    - `weights`: `(batch,)` float32, the importance-sampling weights
-        `(N * P(i)) ** -beta / max_j (N * P(j)) ** -beta` over the batch (so the largest is 1),
-        ready to multiply the per-sample losses.
-
-    Pass the whole sample back to `set_priorities`: its `steps` tell which windows have been
-    overwritten since, and their updates are dropped.
-
-    !!! example
-
-        ```python
-        import equibuffer as eb, jax, jax.numpy as jnp
-
-        buffer = eb.PrioritisedItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=8,
-                                          alpha=1.0)
-        buffer = buffer.add({"x": jnp.arange(4.0)[None]})
-        slots = jnp.arange(4)  # one row: item x sits in slot x, added at step x
-        steps = slots.astype(jnp.uint32)
-        buffer = buffer.set_priorities(slots, jnp.arange(1.0, 5.0), steps=steps)  # x + 1
-        sample = buffer.sample(jax.random.key(1), batch_size=8, beta=1.0)
-        assert jnp.allclose(sample.probabilities, (sample.experience["x"] + 1) / 10)
-        assert sample.weights.dtype == jnp.float32 and float(sample.weights.max()) == 1.0
-        ```
-    """
-
-    probabilities: Float[Array, " batch"]
-    weights: Float[Array, " batch"]
+from ._base import AbstractBuffer, check_window_config, resolve_length
+from ._rules import (
+    AbstractPrioritisedRule,
+    check_beta,
+    check_priority_update,
+    EpisodeEnd,
+    Mode,
+    prioritised,
+    prioritised_episodic,
+    set_by_priority,
+)
+from ._samples import PrioritisedEpisodeSample, PrioritisedSample as PrioritisedSample, Sample
+from ._transition import transition_view
+from ._views import AbstractView, ItemView, WindowView
 
 
 _Prioritised = TypeVar("_Prioritised", bound="AbstractPrioritisedBuffer")
-
-
-def _check_alpha(where: str, alpha: Any) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
-        raise TypeError(f"{where}: `alpha` must be a Python float, got {alpha!r}.")
-    alpha = float(alpha)
-    if not (math.isfinite(alpha) and alpha >= 0):
-        raise ValueError(
-            f"{where}: `alpha` must be finite and >= 0 (0 samples uniformly, 1 fully in "
-            f"proportion to the priorities), got {alpha}."
-        )
-    return alpha
 
 
 class AbstractPrioritisedBuffer(AbstractBuffer):
@@ -98,75 +60,23 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
         ```
     """
 
-    tree: eqx.AbstractVar[SumTree]
-    max_priority: eqx.AbstractVar[Float[Array, ""]]
-    alpha: eqx.AbstractVar[float]
+    # (an AbstractVar may be narrowed by a subclass; pyright reads it as a mutable field)
+    rule: eqx.AbstractVar[AbstractPrioritisedRule]  # pyright: ignore[reportIncompatibleVariableOverride]
 
-    @abc.abstractmethod
-    def _experience(self, indices: Indices) -> Any:
-        """Gather the windows starting at `indices`, shaped as `sample` returns them for this
-        kind of buffer."""
+    @property
+    def tree(self) -> SumTree:
+        """The [`equibuffer.SumTree`][] of `priority ** alpha`, one leaf per window start."""
+        return self.rule.tree
 
-    def add(self: _Prioritised, batch: ExperienceBatch) -> _Prioritised:
-        """Return the buffer with `batch` appended to every row, and the priorities kept in
-        step: windows whose first step was overwritten get priority 0, windows that became
-        complete get the largest priority seen so far.
+    @property
+    def max_priority(self) -> Float[Array, ""]:
+        """The largest priority set so far (1 before any): new windows enter at it."""
+        return self.rule.max_priority
 
-        **Arguments:**
-
-        - `batch`: a tree of the example's structure, with leaves `(add_batch_size, *leaf)`
-            for one step or `(add_batch_size, T, *leaf)` for `T >= 1` steps. Dtypes must
-            match exactly.
-
-        **Returns:**
-
-        The updated buffer. The priority bookkeeping touches
-        `add_batch_size * min(T + sequence_length - 1, max_length)` leaves, never the whole
-        tree; under `eqx.filter_jit(donate="all")` the write is in place.
-
-        !!! example
-
-            ```python
-            import equibuffer as eb, jax, jax.numpy as jnp
-
-            buffer = eb.PrioritisedItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=8,
-                                              alpha=1.0)
-            buffer = buffer.add({"x": jnp.zeros((1, 2))})
-            slots = jnp.arange(2)  # one row: slots 0 and 1, added at steps 0 and 1
-            buffer = buffer.set_priorities(slots, jnp.full(2, 3.0), steps=slots.astype(jnp.uint32))
-            buffer = buffer.add({"x": jnp.ones(1)})  # enters at the largest priority set, 3
-            assert jnp.allclose(buffer.sample(jax.random.key(1), batch_size=6).probabilities, 1 / 3)
-            ```
-        """
-        where = f"{type(self).__name__}.add()"
-        t = self.storage.steps_in(batch, where)
-        storage = self.storage.write(batch)
-        rows, length = storage.rows, storage.length
-        keep = min(1 if t is None else t, length)
-        # The only windows whose status can change are those starting at one of the `keep`
-        # steps just written (new data: valid or not from scratch) or at one of the
-        # `sequence_length - 1` steps before them (complete only now). Capped at `length`
-        # slots, so no slot is named twice.
-        m = min(keep + self.sequence_length - 1, length)
-        first, count = window_layout(storage, self.sequence_length, self.period)
-        offset = storage.fill - m + jnp.arange(m, dtype=jnp.int32)  # from the oldest held step
-        rel = offset - first
-        valid = (offset >= 0) & (rel >= 0)
-        if self.period == 1:  # (static: no integer division, a dozen ops each on CPU)
-            valid = valid & (rel < count)
-        else:
-            valid = valid & (rel % self.period == 0) & (rel // self.period < count)
-        fresh = self.max_priority**self.alpha
-        values = jnp.broadcast_to(jnp.where(valid, fresh, 0.0), (rows, m)).reshape(-1)
-        if rows == 1:
-            # One row: the leaves are one block of slots, wrapping the ring's end as the tree's
-            # (a block write is contiguous slices only: no per-level scatter and gather).
-            start = jax.lax.rem(storage.head - m + length, jnp.int32(length))  # (non-negative)
-            tree = self.tree.write_block(start, values)
-        else:
-            slots = (storage.head - m + jnp.arange(m, dtype=jnp.int32)) % length
-            tree = self.tree.write(flat_indices(rows, length, slots), values)
-        return eqx.tree_at(lambda b: (b.storage, b.tree), self, (storage, tree))
+    @property
+    def alpha(self) -> float:
+        """The priority exponent."""
+        return self.rule.alpha
 
     def sample(
         self,
@@ -210,49 +120,29 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
         """
         where = f"{type(self).__name__}.sample()"
         batch_size = check_positive_int(where, "batch_size", batch_size)
-        if isinstance(beta, int | float) and not (math.isfinite(beta) and beta >= 0):
-            raise ValueError(f"{where}: `beta` must be finite and >= 0, got {beta}.")
-        exponent = jnp.asarray(beta, jnp.float32)
-        if exponent.shape != ():
-            raise ValueError(f"{where}: `beta` must be a scalar, got shape {exponent.shape}.")
-        # The barrier keeps XLA from fusing the tree search into the gather of the windows
-        # (which would redo the search for every gathered element).
-        indices, leaves = jax.lax.optimization_barrier(self.tree.sample_values(key, batch_size))
-        total = self.tree.total()
-        none_valid, no_window = self._no_valid_window(where)
-        # One check (one conditional in the compiled step) for the four ways to fail.
-        failure = jnp.where(total > 0, 3, jnp.where(none_valid, 2, 1))
-        failure = jnp.where(~self.can_sample(), 0, failure)
-        indices = eqx.branched_error_if(
-            indices,
-            (failure < 3) | (exponent < 0) | ~jnp.isfinite(exponent),
-            failure,
-            [
-                f"{where}: the buffer cannot be sampled yet: it needs at least "
-                f"min_length={self.min_length} steps per row and one window of "
-                f"sequence_length={self.sequence_length}. Check `buffer.can_sample()` first.",
-                f"{where}: every valid window has priority 0, so there is nothing to draw "
-                "(`can_sample()` only looks at the counters). Give some windows a positive "
-                "priority with `set_priorities`, or add data (new windows enter at the largest "
-                "priority seen).",
-                no_window,
-                f"{where}: `beta` must be finite and >= 0.",
-            ],
+        exponent = check_beta(where, beta)
+        drawn = self.rule.draw(
+            self.storage,
+            self.window,
+            key,
+            batch_size,
+            exponent,
+            self.can_sample(),
+            self._not_ready(where),
+            where,
         )
-        probabilities = leaves / total
-        # (N P(i))^-beta / max_j (N P(j))^-beta, written so that it neither over- nor
-        # underflows: every sampled P(i) > 0, and the ratio to the smallest is >= 1.
-        weights = (probabilities / jnp.min(probabilities)) ** -exponent
-        offset, _ = self._offsets(indices)
-        steps = self.storage.count_lo - self.storage.fill.astype(jnp.uint32)
-        steps = steps + offset.astype(jnp.uint32)
-        return PrioritisedSample(
-            experience=self._experience(indices),
-            indices=indices,
-            steps=steps,
-            probabilities=probabilities,
-            weights=weights,
+        assert drawn.probabilities is not None and drawn.weights is not None
+        experience, mask = self._experience(drawn)
+        fields = dict(
+            experience=experience,
+            indices=drawn.indices,
+            steps=drawn.steps,
+            probabilities=drawn.probabilities,
+            weights=drawn.weights,
         )
+        if mask is None:
+            return PrioritisedSample(**fields)
+        return PrioritisedEpisodeSample(**fields, mask=mask)
 
     def set_priorities(
         self: _Prioritised,
@@ -314,85 +204,27 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
                     "priorities)`) or the indices with `steps=sample.steps`: the steps tell "
                     "which windows were overwritten since they were sampled."
                 )
-        indices = jnp.asarray(indices)
-        steps = jnp.asarray(steps)
-        new = jnp.asarray(priorities)
-        if indices.ndim != 1 or not jnp.issubdtype(indices.dtype, jnp.integer):
-            raise TypeError(
-                f"{where}: `indices` must be a 1-d integer array, got shape {indices.shape} "
-                f"and dtype {indices.dtype}."
-            )
-        for name, x in (("priorities", new), ("steps", steps)):
-            if x.shape != indices.shape:
-                raise ValueError(
-                    f"{where}: `{name}` has shape {x.shape} but `indices` has shape "
-                    f"{indices.shape}; give one per sampled window."
-                )
-        if steps.dtype != jnp.uint32:
-            raise TypeError(f"{where}: `steps` must be uint32 (`sample.steps`), got {steps.dtype}.")
-        new = new.astype(jnp.float32)
-        indices = indices.astype(jnp.int32)
-        out_of_range = jnp.any((indices < 0) | (indices >= self.tree.capacity))
-        new = eqx.branched_error_if(
-            new,
-            out_of_range | jnp.any((new < 0) | ~jnp.isfinite(new)),
-            jnp.where(out_of_range, 0, 1),
-            [
-                f"{where}: every index must be in [0, add_batch_size * max_length="
-                f"{self.tree.capacity}); pass `sample.indices`.",
-                f"{where}: every priority must be non-negative and finite (a negative, NaN or "
-                "infinite priority was given).",
-            ],
+        indices, steps, new = check_priority_update(
+            where, self.rule.tree.capacity, indices, steps, priorities
         )
-        offset, valid = self._offsets(indices)
-        held_step = self.storage.count_lo - self.storage.fill.astype(jnp.uint32)
-        held_step = held_step + offset.astype(jnp.uint32)
-        current = valid & (held_step == steps)
-        values = jnp.where(new > 0, new**self.alpha, 0.0)
-        tree = self.tree.write(indices, values, mask=current)
-        applied = jnp.max(jnp.where(current, new, 0.0))
-        max_priority = jnp.maximum(self.max_priority, applied)
-        return eqx.tree_at(lambda b: (b.tree, b.max_priority), self, (tree, max_priority))
-
-    def _no_valid_window(self, where: str) -> tuple[BoolScalar, str]:
-        """Whether no window is valid although the counters say the buffer can be sampled, and
-        the message `sample` raises then. Never, for a buffer whose valid windows are a
-        function of the counters; a buffer with a narrower rule (episodes) says when."""
-        return jnp.array(False), f"{where}: no valid window."
-
-    def _offsets(self, indices: Indices) -> tuple[Int[Array, " batch"], Bool[Array, " batch"]]:
-        """Offset of each window start from the oldest held step of its row, and whether the
-        window is valid now."""
-        storage = self.storage
-        slot = indices % storage.length
-        offset = (slot - storage.head + storage.fill) % storage.length
-        first, count = window_layout(storage, self.sequence_length, self.period)
-        rel = offset - first
-        valid = (offset < storage.fill) & (rel >= 0) & (rel % self.period == 0)
-        return offset, valid & (rel // self.period < count)
+        current = self.rule.current(self.storage, self.window, indices, steps)
+        tree, max_priority = set_by_priority(
+            self.rule.tree, self.rule.max_priority, self.rule.alpha, indices, new, current
+        )
+        rule = self.rule.with_priorities(tree, max_priority)
+        return eqx.tree_at(lambda b: b.rule, self, rule)
 
 
-def _init(
+def _storage(
     where: str,
     example: ExampleTree,
     add_batch_size: int,
     max_length: int | None,
     capacity: int | None,
     max_size: int | None,
-    sequence_length: int,
-    period: int,
-    min_length: int | None,
-    alpha: float,
-) -> tuple[RingStorage, int, int, int, SumTree, Float[Array, ""], float]:
+) -> RingStorage:
     rows = check_positive_int(where, "add_batch_size", add_batch_size)
-    length = resolve_length(where, rows, max_length, capacity, max_size)
-    sequence_length, period, min_length = check_window_config(
-        where, length, sequence_length, period, min_length
-    )
-    alpha = _check_alpha(where, alpha)
-    storage = RingStorage(example, rows, length)
-    tree = SumTree(rows * length)
-    return (storage, sequence_length, period, min_length, tree, jnp.array(1.0, jnp.float32), alpha)
+    return RingStorage(example, rows, resolve_length(where, rows, max_length, capacity, max_size))
 
 
 class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
@@ -416,12 +248,10 @@ class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
     """
 
     storage: RingStorage
-    sequence_length: int = eqx.field(static=True)
+    rule: AbstractPrioritisedRule
+    view: AbstractView
     period: int = eqx.field(static=True)
     min_length: int = eqx.field(static=True)
-    tree: SumTree
-    max_priority: Float[Array, ""]
-    alpha: float = eqx.field(static=True)
 
     def __init__(
         self,
@@ -443,29 +273,13 @@ class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
         - `alpha`: the priority exponent, `>= 0`: 0 is uniform over windows of positive
             priority, 1 fully proportional. Default 0.6 (Schaul et al.).
         """
-        (
-            self.storage,
-            self.sequence_length,
-            self.period,
-            self.min_length,
-            self.tree,
-            self.max_priority,
-            self.alpha,
-        ) = _init(
-            "PrioritisedTrajectoryBuffer()",
-            example,
-            add_batch_size,
-            max_length,
-            capacity,
-            max_size,
-            sequence_length,
-            period,
-            min_length,
-            alpha,
+        where = "PrioritisedTrajectoryBuffer()"
+        self.storage = _storage(where, example, add_batch_size, max_length, capacity, max_size)
+        sequence_length, self.period, self.min_length = check_window_config(
+            where, self.storage.length, sequence_length, period, min_length
         )
-
-    def _experience(self, indices: Indices) -> Any:
-        return gather(self.storage, indices, self.sequence_length)
+        self.view = WindowView(sequence_length)
+        self.rule = prioritised(where, self.storage, alpha)
 
 
 class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
@@ -487,12 +301,10 @@ class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
     """
 
     storage: RingStorage
-    sequence_length: int = eqx.field(static=True)
+    rule: AbstractPrioritisedRule
+    view: AbstractView
     period: int = eqx.field(static=True)
     min_length: int = eqx.field(static=True)
-    tree: SumTree
-    max_priority: Float[Array, ""]
-    alpha: float = eqx.field(static=True)
 
     def __init__(
         self,
@@ -504,38 +316,35 @@ class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
         max_size: int | None = None,
         min_length: int | None = None,
         alpha: float = 0.6,
+        n_step: int | None = None,
+        discount: float | None = None,
+        reward: str = "reward",
+        terminated: str = "terminated",
+        truncated: str | None = "truncated",
+        episode_end: EpisodeEnd | None = None,
+        mode: Mode = "never_cross",
     ):
         """**Arguments:**
 
         - `example`, `add_batch_size`, `max_length`, `capacity` (alias `max_size`),
-            `min_length`: as for [`equibuffer.TransitionBuffer`][].
+            `min_length`, `n_step`, `discount`, `reward`, `terminated`, `truncated`,
+            `episode_end`, `mode`: as for [`equibuffer.TransitionBuffer`][]. With `n_step`
+            this is Rainbow's replay: n-step transitions drawn by priority, with importance
+            weights, cut at episode ends.
         - `alpha`: the priority exponent, `>= 0` (default 0.6).
         """
-        (
-            self.storage,
-            self.sequence_length,
-            self.period,
-            self.min_length,
-            self.tree,
-            self.max_priority,
-            self.alpha,
-        ) = _init(
-            "PrioritisedTransitionBuffer()",
-            example,
-            add_batch_size,
-            max_length,
-            capacity,
-            max_size,
-            2,
-            1,
-            min_length,
-            alpha,
+        where = "PrioritisedTransitionBuffer()"
+        self.storage = _storage(where, example, add_batch_size, max_length, capacity, max_size)
+        self.view = transition_view(
+            where, self.storage, n_step, discount, reward, terminated, truncated
         )
-
-    def _experience(self, indices: Indices) -> Any:
-        # Each step gathered on its own: slicing a gathered (batch, 2, ...) pair costs a copy.
-        first, second = gather_steps(self.storage, indices, 2)
-        return Transition(first=first, second=second)
+        _, self.period, self.min_length = check_window_config(
+            where, self.storage.length, self.view.window_length, 1, min_length
+        )
+        if episode_end is None:
+            self.rule = prioritised(where, self.storage, alpha)
+        else:
+            self.rule = prioritised_episodic(where, self.storage, episode_end, mode, alpha)
 
 
 class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
@@ -554,12 +363,10 @@ class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
     """
 
     storage: RingStorage
-    sequence_length: int = eqx.field(static=True)
+    rule: AbstractPrioritisedRule
+    view: AbstractView
     period: int = eqx.field(static=True)
     min_length: int = eqx.field(static=True)
-    tree: SumTree
-    max_priority: Float[Array, ""]
-    alpha: float = eqx.field(static=True)
 
     def __init__(
         self,
@@ -578,26 +385,10 @@ class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
             `min_length`: as for [`equibuffer.ItemBuffer`][].
         - `alpha`: the priority exponent, `>= 0` (default 0.6).
         """
-        (
-            self.storage,
-            self.sequence_length,
-            self.period,
-            self.min_length,
-            self.tree,
-            self.max_priority,
-            self.alpha,
-        ) = _init(
-            "PrioritisedItemBuffer()",
-            example,
-            add_batch_size,
-            max_length,
-            capacity,
-            max_size,
-            1,
-            1,
-            min_length,
-            alpha,
+        where = "PrioritisedItemBuffer()"
+        self.storage = _storage(where, example, add_batch_size, max_length, capacity, max_size)
+        _, self.period, self.min_length = check_window_config(
+            where, self.storage.length, 1, 1, min_length
         )
-
-    def _experience(self, indices: Indices) -> Any:
-        return gather_steps(self.storage, indices, 1)[0]
+        self.view = ItemView()
+        self.rule = prioritised(where, self.storage, alpha)

@@ -1,22 +1,15 @@
 import equinox as eqx
-from jaxtyping import PRNGKeyArray
 
 from .._checks import check_positive_int
-from .._custom_types import ExampleTree, ExperienceBatch
-from .._nstep import check_discount, check_leaves, check_n_step, n_step_from_storage
+from .._custom_types import ExampleTree
+from .._nstep import check_discount, check_leaves, check_n_step
 from .._ring import RingStorage
-from .._windows import gather_steps, uniform_windows
-from ._base import (
-    AbstractBuffer,
-    add_to_storage,
-    check_window_config,
-    resolve_length,
-    Sample,
-    Transition,
-)
+from ._base import AbstractUniformBuffer, check_window_config, resolve_length
+from ._rules import AbstractUniformRule, EpisodeEnd, episodic, Mode, Uniform
+from ._views import AbstractView, NStepView, PairView
 
 
-class TransitionBuffer(AbstractBuffer):
+class TransitionBuffer(AbstractUniformBuffer):
     """A buffer of transitions: samples consecutive pairs `(first, second)` of steps of one row
     (Flashbax's flat buffer). Each step is stored once; the pair is gathered at sample time.
 
@@ -56,12 +49,10 @@ class TransitionBuffer(AbstractBuffer):
     """
 
     storage: RingStorage
-    sequence_length: int = eqx.field(static=True)
+    rule: AbstractUniformRule
+    view: AbstractView
     period: int = eqx.field(static=True)
     min_length: int = eqx.field(static=True)
-    n_step: int | None = eqx.field(static=True)
-    discount: float | None = eqx.field(static=True)
-    leaf_names: tuple[str, str, str | None] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -77,6 +68,8 @@ class TransitionBuffer(AbstractBuffer):
         reward: str = "reward",
         terminated: str = "terminated",
         truncated: str | None = "truncated",
+        episode_end: EpisodeEnd | None = None,
+        mode: Mode = "never_cross",
     ):
         """**Arguments:**
 
@@ -92,79 +85,48 @@ class TransitionBuffer(AbstractBuffer):
         - `reward`, `terminated`, `truncated`: the names (keys or attributes of the example)
             of the float reward leaf and the bool episode-end leaves; `truncated=None` when
             there is none.
+        - `episode_end`: to make transitions episode-aware, what marks the last step of an
+            episode, as for [`equibuffer.EpisodeTrajectoryBuffer`][] (a bool leaf's name or
+            a function of one step). Default `None`: transitions are drawn uniformly over
+            every pair (or `n_step + 1` window) held, across episode ends.
+        - `mode`: with `episode_end`, `"never_cross"` (default: a transition never joins the
+            last step of an episode to the first of the next, and an n-step transition is
+            drawn only where all its `n_step` steps lie in one episode) or `"pad"` (every
+            step is a transition, the terminal ones included, as soon as it is held: what
+            lies past the episode end, `second` of a terminal pair or of a cut n-step
+            transition, comes back zero, with `sample.mask` false there).
         """
         where = "TransitionBuffer()"
         rows = check_positive_int(where, "add_batch_size", add_batch_size)
         length = resolve_length(where, rows, max_length, capacity, max_size)
-        self.n_step, self.discount = None, None
-        self.leaf_names = (reward, terminated, truncated)
-        if n_step is not None or discount is not None:
-            if n_step is None or discount is None:
-                raise TypeError(f"{where}: give both `n_step` and `discount`, or neither.")
-            self.n_step = check_n_step(where, n_step)
-            self.discount = check_discount(where, discount)
-        self.sequence_length, self.period, self.min_length = check_window_config(
-            where, length, 2 if self.n_step is None else self.n_step + 1, 1, min_length
-        )
         self.storage = RingStorage(example, rows, length)
-        if self.n_step is not None:
-            check_leaves(where, self.storage.example(), reward, terminated, truncated)
+        self.view = transition_view(
+            where, self.storage, n_step, discount, reward, terminated, truncated
+        )
+        _, self.period, self.min_length = check_window_config(
+            where, length, self.view.window_length, 1, min_length
+        )
+        if episode_end is None:
+            self.rule = Uniform()
+        else:
+            self.rule = episodic(where, self.storage, episode_end, mode)
 
-    def add(self, batch: ExperienceBatch) -> "TransitionBuffer":
-        """Append one step `(add_batch_size, *leaf)` or `T` steps
-        `(add_batch_size, T, *leaf)` to every row; see [`equibuffer.AbstractBuffer.add`][].
 
-        !!! example
-
-            ```python
-            import equibuffer as eb, jax, jax.numpy as jnp
-
-            buffer = eb.TransitionBuffer({"obs": jnp.zeros(4)}, add_batch_size=2, max_length=10)
-            buffer = buffer.add({"obs": jnp.ones((2, 4))})  # one step per row
-            assert not buffer.can_sample()  # a transition needs two steps in a row
-            buffer = buffer.add({"obs": jnp.ones((2, 3, 4))})  # three more per row
-            assert buffer.can_sample() and int(buffer.size()) == 8
-            ```
-        """
-        return add_to_storage(self, batch)
-
-    def sample(self, key: PRNGKeyArray, batch_size: int) -> Sample:
-        """Draw `batch_size` transitions uniformly over all consecutive pairs held.
-
-        **Returns:**
-
-        A [`equibuffer.Sample`][] whose `experience` is a [`equibuffer.Transition`][] with
-        leaves `(batch_size, *leaf)`, or with `n_step` an [`equibuffer.NStepTransition`][]
-        (drawn uniformly over the windows of `n_step + 1` steps held).
-
-        !!! example
-
-            ```python
-            import equibuffer as eb, jax, jax.numpy as jnp
-
-            buffer = eb.TransitionBuffer({"t": jnp.float32(0)}, add_batch_size=1, max_length=10)
-            buffer = buffer.add({"t": jnp.arange(6.0)[None]})
-            sample = buffer.sample(jax.random.key(0), batch_size=8)
-            first, second = sample.experience.first["t"], sample.experience.second["t"]
-            assert first.shape == (8,) and (second == first + 1).all()
-            ```
-        """
-        if self.n_step is not None and self.discount is not None:
-            where = "TransitionBuffer.sample()"
-            batch_size = check_positive_int(where, "batch_size", batch_size)
-            indices, steps = uniform_windows(self.storage, key, batch_size, self.n_step + 1, 1)
-            indices = eqx.error_if(
-                indices,
-                ~self.can_sample(),
-                f"{where}: the buffer cannot be sampled yet: it needs at least "
-                f"min_length={self.min_length} steps per row (n_step + 1 = "
-                f"{self.n_step + 1} for one n-step window). Check `buffer.can_sample()` first.",
-            )
-            experience = n_step_from_storage(
-                self.storage, indices, self.n_step, self.discount, *self.leaf_names
-            )
-            return Sample(experience=experience, indices=indices, steps=steps)
-        indices, steps = self._draw_indices(key, batch_size)
-        # Each step gathered on its own: slicing a gathered (batch, 2, ...) pair costs a copy.
-        first, second = gather_steps(self.storage, indices, 2)
-        return Sample(experience=Transition(first, second), indices=indices, steps=steps)
+def transition_view(
+    where: str,
+    storage: RingStorage,
+    n_step: int | None,
+    discount: float | None,
+    reward: str,
+    terminated: str,
+    truncated: str | None,
+) -> PairView | NStepView:
+    """The view of a transition buffer: pairs, or n-step transitions (arguments checked)."""
+    if n_step is None and discount is None:
+        return PairView()
+    if n_step is None or discount is None:
+        raise TypeError(f"{where}: give both `n_step` and `discount`, or neither.")
+    n_step = check_n_step(where, n_step)
+    discount = check_discount(where, discount)
+    check_leaves(where, storage.example(), reward, terminated, truncated)
+    return NStepView(n_step, discount, reward, terminated, truncated)

@@ -1,0 +1,151 @@
+"""What `sample` returns: the experience a view gathered, plus what the sampling rule knows of
+each draw (its window's place and start step; probabilities and weights; the episode mask)."""
+
+from typing import Any
+
+import equinox as eqx
+from jaxtyping import Array, Bool, Float, PyTree, Shaped
+
+from .._custom_types import Indices, Steps
+
+
+class Transition(eqx.Module):
+    """A batch of consecutive pairs of steps of one row: `first` at time `t`, `second` at
+    `t + 1`, each a tree with leaves `(batch, *leaf)`.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        buffer = eb.TransitionBuffer({"t": jnp.int32(0)}, add_batch_size=1, capacity=8)
+        buffer = buffer.add({"t": jnp.arange(5, dtype=jnp.int32)[None]})
+        pair = buffer.sample(jax.random.key(0), batch_size=16).experience
+        assert isinstance(pair, eb.Transition) and pair.first["t"].shape == (16,)
+        assert (pair.second["t"] == pair.first["t"] + 1).all()
+        ```
+    """
+
+    first: PyTree[Shaped[Array, "batch ..."]]
+    second: PyTree[Shaped[Array, "batch ..."]]
+
+
+class Sample(eqx.Module):
+    """What `sample` returns.
+
+    - `experience`: the sampled data. Leaves `(batch, sequence_length, *leaf)` for a
+        `TrajectoryBuffer`, a [`equibuffer.Transition`][] of `(batch, *leaf)` leaves for a
+        `TransitionBuffer`, `(batch, *leaf)` for an `ItemBuffer`.
+    - `indices`: `(batch,)` int32, the flat index `row * max_length + slot` of the first
+        step of each sampled window: what `set_priorities` takes in the prioritised buffers.
+    - `steps`: `(batch,)` uint32, the absolute step (mod 2**32) at which each window starts,
+        which tells whether its slot has been overwritten since.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        buffer = eb.TrajectoryBuffer({"x": jnp.zeros(2)}, add_batch_size=2, max_length=8,
+                                     sequence_length=3)
+        buffer = buffer.add({"x": jnp.ones((2, 5, 2))})
+        sample = buffer.sample(jax.random.key(0), batch_size=4)
+        assert isinstance(sample, eb.Sample) and sample.experience["x"].shape == (4, 3, 2)
+        assert sample.indices.dtype == jnp.int32 and sample.steps.dtype == jnp.uint32
+        assert (sample.steps <= 2).all()  # windows of 3 of the 5 steps start at step 0, 1 or 2
+        ```
+    """
+
+    experience: Any
+    indices: Indices
+    steps: Steps
+
+
+class PrioritisedSample(Sample):
+    """What a prioritised buffer's `sample` returns: a [`equibuffer.Sample`][] (`experience`,
+    `indices`, `steps`) plus
+
+    - `probabilities`: `(batch,)` float32, the probability `P(i) = p_i**alpha / sum_k p_k**alpha`
+        with which each window was drawn.
+    - `weights`: `(batch,)` float32, the importance-sampling weights
+        `(N * P(i)) ** -beta / max_j (N * P(j)) ** -beta` over the batch (so the largest is 1),
+        ready to multiply the per-sample losses.
+
+    Pass the whole sample back to `set_priorities`: its `steps` tell which windows have been
+    overwritten since, and their updates are dropped.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        buffer = eb.PrioritisedItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=8,
+                                          alpha=1.0)
+        buffer = buffer.add({"x": jnp.arange(4.0)[None]})
+        slots = jnp.arange(4)  # one row: item x sits in slot x, added at step x
+        steps = slots.astype(jnp.uint32)
+        buffer = buffer.set_priorities(slots, jnp.arange(1.0, 5.0), steps=steps)  # x + 1
+        sample = buffer.sample(jax.random.key(1), batch_size=8, beta=1.0)
+        assert jnp.allclose(sample.probabilities, (sample.experience["x"] + 1) / 10)
+        assert sample.weights.dtype == jnp.float32 and float(sample.weights.max()) == 1.0
+        ```
+    """
+
+    probabilities: Float[Array, " batch"]
+    weights: Float[Array, " batch"]
+
+
+class EpisodeSample(Sample):
+    """What [`equibuffer.EpisodeTrajectoryBuffer`][]'s `sample` returns: a
+    [`equibuffer.Sample`][] (`experience` with leaves `(batch, sequence_length, *leaf)`,
+    `indices`, `steps`) plus
+
+    - `mask`: `(batch, sequence_length)` bool, true at the steps that belong to the window's
+        episode. With `mode="never_cross"` it is all true; with `mode="pad"` it is false
+        after the first episode end in the window, and the experience is zero there.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        example = {"r": jnp.float32(0), "done": jnp.bool_(False)}
+        buffer = eb.EpisodeTrajectoryBuffer(example, add_batch_size=1, max_length=8,
+                                            sequence_length=3, mode="pad")
+        done = jnp.array([[False, True, False, False, False]])  # episodes 0-1 and 2-4
+        buffer = buffer.add({"r": jnp.ones((1, 5)), "done": done})
+        sample = buffer.sample(jax.random.key(0), batch_size=16)
+        assert isinstance(sample, eb.EpisodeSample) and sample.mask.shape == (16, 3)
+        assert (sample.experience["r"] == sample.mask.astype(jnp.float32)).all()  # 0 past the end
+        ```
+    """
+
+    mask: Bool[Array, "batch sequence"]
+
+
+class PrioritisedEpisodeSample(PrioritisedSample):
+    """What `PrioritisedEpisodeTrajectoryBuffer.sample` returns: a
+    [`equibuffer.PrioritisedSample`][] (`experience`, `indices`, `steps`, `probabilities`,
+    `weights`) plus `mask`, `(batch, sequence_length)` bool, as in
+    [`equibuffer.EpisodeSample`][]: all true with `mode="never_cross"`; with `mode="pad"`
+    false after the first episode end in the window, where the experience is zero.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        buffer = eb.PrioritisedEpisodeTrajectoryBuffer(
+            {"r": jnp.float32(0), "done": jnp.bool_(False)}, add_batch_size=1,
+            max_length=8, sequence_length=3, mode="pad")
+        done = jnp.array([[False, True, False, False, False]])  # episodes 0-1, 2-
+        buffer = buffer.add({"r": jnp.ones((1, 5)), "done": done})
+        sample = buffer.sample(jax.random.key(0), batch_size=8)
+        assert sample.mask.shape == (8, 3) and bool(sample.mask[:, 0].all())
+        # a padded window's loss averages over its own episode's steps only
+        steps = sample.mask.sum(axis=1, dtype=jnp.float32)
+        loss = (sample.weights * sample.experience["r"].sum(axis=1) / steps).mean()
+        ```
+    """
+
+    mask: Bool[Array, "batch sequence"]

@@ -1,0 +1,172 @@
+"""Views: what a sample returns for the windows a sampling rule drew.
+
+A view is static configuration only (no arrays). It says how many consecutive steps one of its
+samples spans (`window_length`: the window the rule draws), gathers them from the ring, and
+zeroes what lies past an episode end when the rule pads.
+
+- `WindowView(sequence_length)`: the window itself, leaves `(batch, sequence_length, *leaf)`.
+- `PairView()`: a [`equibuffer.Transition`][] `(first, second)` of two consecutive steps.
+- `NStepView(n, discount, ...)`: an [`equibuffer.NStepTransition`][] over `n + 1` steps.
+- `ItemView()`: one step, leaves `(batch, *leaf)`.
+
+Adding a view is one class here with these four methods; no rule and no buffer changes.
+"""
+
+import abc
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool
+
+from .._custom_types import Indices
+from .._nstep import n_step_from_storage
+from .._ring import RingStorage
+from .._windows import gather, gather_steps
+from ._samples import Transition
+
+
+def _zero_where_not(mask: Bool[Array, " batch"], tree: Any) -> Any:
+    """`tree` (leaves `(batch, *leaf)`) with the entries where `mask` is false set to zero."""
+
+    def zero(x: Array) -> Array:
+        m = mask.reshape(-1, *(1,) * (x.ndim - 1))
+        return jnp.where(m, x, jnp.zeros((), x.dtype))
+
+    return jax.tree.map(zero, tree)
+
+
+class AbstractView(eqx.Module):
+    """What a buffer's `sample` returns for each drawn window."""
+
+    @property
+    @abc.abstractmethod
+    def window_length(self) -> int:
+        """The number of consecutive steps one sampled element spans."""
+
+    @abc.abstractmethod
+    def gather(self, storage: RingStorage, indices: Indices) -> Any:
+        """The experience of the windows starting at the flat `indices`."""
+
+    @abc.abstractmethod
+    def padded(self, experience: Any, mask: Bool[Array, "batch window"]) -> Any:
+        """`experience` with the steps where `mask` is false (past an episode end) zeroed."""
+
+    @property
+    @abc.abstractmethod
+    def window_name(self) -> str:
+        """How errors name one window (by the arguments a user of this view sets)."""
+
+    @abc.abstractmethod
+    def needs(self, min_length: int) -> str:
+        """What the sample-too-early error says a row needs, naming only arguments a user
+        of this view sets."""
+
+
+class WindowView(AbstractView):
+    """Windows of `sequence_length` steps, leaves `(batch, sequence_length, *leaf)`."""
+
+    sequence_length: int = eqx.field(static=True)
+
+    @property
+    def window_length(self) -> int:
+        return self.sequence_length
+
+    def gather(self, storage: RingStorage, indices: Indices) -> Any:
+        return gather(storage, indices, self.sequence_length)
+
+    def padded(self, experience: Any, mask: Bool[Array, "batch window"]) -> Any:
+        def zero(x: Array) -> Array:
+            m = mask.reshape(*mask.shape, *(1,) * (x.ndim - 2))
+            return jnp.where(m, x, jnp.zeros((), x.dtype))
+
+        return jax.tree.map(zero, experience)
+
+    @property
+    def window_name(self) -> str:
+        return f"sequence_length={self.sequence_length}"
+
+    def needs(self, min_length: int) -> str:
+        return f"at least min_length={min_length} steps and one window of {self.window_name}"
+
+
+class PairView(AbstractView):
+    """Consecutive pairs `(first, second)` of one row: a [`equibuffer.Transition`][]."""
+
+    @property
+    def window_length(self) -> int:
+        return 2
+
+    def gather(self, storage: RingStorage, indices: Indices) -> Transition:
+        # Each step gathered on its own: slicing a gathered (batch, 2, ...) pair costs a copy.
+        first, second = gather_steps(storage, indices, 2)
+        return Transition(first=first, second=second)
+
+    def padded(self, experience: Transition, mask: Bool[Array, "batch window"]) -> Transition:
+        return Transition(experience.first, _zero_where_not(mask[:, 1], experience.second))
+
+    @property
+    def window_name(self) -> str:
+        return "2 steps (one transition)"
+
+    def needs(self, min_length: int) -> str:
+        return f"at least min_length={min_length} steps (two consecutive steps make a transition)"
+
+
+class NStepView(AbstractView):
+    """n-step transitions from `n + 1` consecutive steps, cut at episode ends (see
+    [`equibuffer.n_step_transition`][] for the convention)."""
+
+    n: int = eqx.field(static=True)
+    discount: float = eqx.field(static=True)
+    reward: str = eqx.field(static=True)
+    terminated: str = eqx.field(static=True)
+    truncated: str | None = eqx.field(static=True)
+
+    @property
+    def window_length(self) -> int:
+        return self.n + 1
+
+    def gather(self, storage: RingStorage, indices: Indices) -> Any:
+        names = (self.reward, self.terminated, self.truncated)
+        return n_step_from_storage(storage, indices, self.n, self.discount, *names)
+
+    def padded(self, experience: Any, mask: Bool[Array, "batch window"]) -> Any:
+        # The sums stop at an end already; `second` (the step after the last one summed) lies
+        # past the end when the episode ended within the n steps: zero, as the mask says.
+        inside = jnp.take_along_axis(mask, experience.steps[:, None], axis=1)[:, 0]
+        return eqx.tree_at(
+            lambda e: e.second, experience, _zero_where_not(inside, experience.second)
+        )
+
+    @property
+    def window_name(self) -> str:
+        return f"n_step + 1 = {self.n + 1} steps"
+
+    def needs(self, min_length: int) -> str:
+        return (
+            f"at least min_length={min_length} steps (n_step + 1 = {self.n + 1} make one "
+            "n-step transition)"
+        )
+
+
+class ItemView(AbstractView):
+    """Single steps, leaves `(batch, *leaf)`."""
+
+    @property
+    def window_length(self) -> int:
+        return 1
+
+    def gather(self, storage: RingStorage, indices: Indices) -> Any:
+        return gather_steps(storage, indices, 1)[0]
+
+    def padded(self, experience: Any, mask: Bool[Array, "batch window"]) -> Any:
+        return experience
+
+    @property
+    def window_name(self) -> str:
+        return "1 step"
+
+    def needs(self, min_length: int) -> str:
+        return f"at least {min_length} item{'s' if min_length > 1 else ''} (min_length)"

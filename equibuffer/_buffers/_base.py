@@ -11,8 +11,7 @@ from jaxtyping import Array, Bool, PRNGKeyArray, PyTree, Shaped
 from .._checks import check_positive_int, check_structure, keystr
 from .._custom_types import BoolScalar, ExperienceBatch, IntScalar
 from .._ring import RingStorage
-from .._windows import window_layout
-from ._rules import AbstractRule, AbstractUniformRule, Drawn, Window
+from ._rules import AbstractRule, AbstractUniformRule, count_held, Drawn, Window
 from ._samples import EpisodeSample, Sample, Transition as Transition
 from ._views import AbstractView
 
@@ -141,9 +140,7 @@ class AbstractBuffer(AbstractRingHolder):
             assert int(buffer.num_windows()) == 8 and buffer.num_windows().dtype == jnp.int32
             ```
         """
-        return window_layout(self.storage, self.sequence_length, self.period)[1] * (
-            self.storage.rows
-        )
+        return count_held(self.storage, self.window)
 
     def can_sample(self) -> BoolScalar:
         """Whether `sample` may be called: at least `min_length` steps are held per row and

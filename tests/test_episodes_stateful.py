@@ -1,0 +1,287 @@
+"""Stateful test of the episode-aware buffers, uniform and prioritised, in both modes: random
+adds with random episode ends (ends at the ring's wrap, episodes shorter than the window),
+samples and priority updates (current, stale, invalid), every observable result compared with
+the NumPy reference of `tests/reference.py`.
+
+Only the public API is used, and every buffer is built by `_make`. The configurations come
+from a small set, so that each one's jitted functions compile once per process.
+"""
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis.stateful import initialize, precondition, rule
+
+import equibuffer as eb
+
+from .helpers import CountedMachine, stateful_settings
+from .reference import (
+    can_sample,
+    EpisodeRule,
+    flat_index,
+    History,
+    Priorities,
+    tags,
+    window_of,
+)
+
+
+EXAMPLE = {"x": jnp.int32(0), "obs": jnp.zeros(2, jnp.float32), "done": jnp.bool_(False)}
+
+
+def _done(step):
+    """`episode_end` as a function of one step (the other form is the leaf's name)."""
+    return step["done"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    prioritised: bool
+    mode: str
+    rows: int
+    length: int
+    sequence_length: int
+    period: int
+    alpha: float
+    episode_end: Any
+    min_length: int | None = None
+
+
+def _make(c: Config) -> Any:
+    """The one place the episode-aware buffers are built."""
+    kw: dict[str, Any] = dict(
+        add_batch_size=c.rows,
+        max_length=c.length,
+        sequence_length=c.sequence_length,
+        period=c.period,
+        mode=c.mode,
+        episode_end=c.episode_end,
+        min_length=c.min_length,
+    )
+    if c.prioritised:
+        return eb.PrioritisedEpisodeTrajectoryBuffer(EXAMPLE, alpha=c.alpha, **kw)
+    return eb.EpisodeTrajectoryBuffer(EXAMPLE, **kw)
+
+
+# (rows, length, sequence_length, period, alpha, episode_end, min_length): windows of one
+# step and of the whole ring, periods that do and do not divide the ring, a period longer
+# than the window, a min_length above the window.
+SHAPES = [
+    (1, 5, 3, 1, 0.5, "done", None),
+    (2, 6, 4, 2, 1.0, _done, None),
+    (3, 7, 2, 3, 0.0, "done", 5),
+    (2, 4, 1, 1, 0.7, "done", None),
+    (1, 6, 6, 1, 1.0, "done", None),
+    (2, 5, 2, 4, 0.5, _done, None),
+]
+CONFIGS = [
+    Config(prioritised, mode, *shape)
+    for shape in SHAPES
+    for mode in ("never_cross", "pad")
+    for prioritised in (False, True)
+]
+ADD_STEPS = (5, None, 2, 9)  # None: the one-step form; 9 is more than any ring
+BATCH = 16
+END = st.sampled_from([False, False, False, True])  # an episode end on about 1 step in 4
+PRIORITIES = (0.0, 0.25, 1.0, 2.0, 3.5)
+TOO_EARLY = "cannot be sampled yet"
+NO_WINDOW = "no window of sequence_length=[0-9]+ fits inside an episode"
+ALL_ZERO = "every valid window has priority 0"
+
+
+def _observe(buffer) -> dict[str, Any]:
+    return {
+        "can_sample": buffer.can_sample(),
+        "size": buffer.size(),
+        "num_valid_windows": buffer.num_valid_windows(),
+    }
+
+
+@eqx.filter_jit
+def _add(buffer, batch):
+    buffer = buffer.add(batch)
+    return buffer, _observe(buffer)
+
+
+@eqx.filter_jit
+def _sample(buffer, key):
+    return buffer.sample(key, BATCH)
+
+
+@eqx.filter_jit
+def _psample(buffer, key, beta):
+    return buffer.sample(key, BATCH, beta=beta)
+
+
+@eqx.filter_jit
+def _set(buffer, sample, priorities):
+    buffer = buffer.set_priorities(sample, priorities)
+    return buffer, _observe(buffer)
+
+
+@eqx.filter_jit
+def _set_at(buffer, indices, steps, priorities):
+    buffer = buffer.set_priorities(indices, priorities, steps=steps)
+    return buffer, _observe(buffer)
+
+
+def _steps(start: int, done: np.ndarray) -> dict[str, np.ndarray]:
+    """`(rows, T)` steps from absolute step `start`, values unique per (row, step)."""
+    x = tags(done.shape[0], start, done.shape[1])
+    return {"x": x, "obs": np.stack([x, -x], axis=-1).astype(np.float32), "done": done}
+
+
+class EpisodeMachine(CountedMachine):
+    """Random adds, samples and priority updates of an episode-aware buffer."""
+
+    @initialize(config=st.sampled_from(CONFIGS), seed=st.integers(0, 2**32 - 1))
+    def setup(self, config: Config, seed: int):
+        self.c = config
+        self.buffer = _make(config)
+        self.history = History(config.rows, config.length)
+        self.rule = EpisodeRule(
+            config.sequence_length, config.period, config.mode, lambda h: h.leaves["done"]
+        )
+        self.priorities = Priorities(config.alpha)
+        self.key = jax.random.key(seed)
+        self.samples: list[Any] = []  # the latest samples, for set_priorities
+        self.refused = 0  # samples refused so far because `can_sample()` is false
+
+    # --- adds
+
+    def _add(self, t: int | None, done: np.ndarray) -> None:
+        steps = _steps(self.history.total, done)
+        batch = steps if t is not None else {k: v[:, 0] for k, v in steps.items()}
+        self.buffer, seen = _add(self.buffer, jax.tree.map(jnp.asarray, batch))
+        self.history.add(steps)
+        self.priorities.refresh(self.rule.valid(self.history))
+        self._check_counters(seen)
+
+    @rule(t=st.sampled_from(ADD_STEPS), data=st.data())
+    def add(self, t: int | None, data: st.DataObject):
+        rows, n = self.c.rows, 1 if t is None else t
+        flags = data.draw(st.lists(END, min_size=rows * n, max_size=rows * n), label="done")
+        self._add(t, np.array(flags, bool).reshape(rows, n))
+
+    @rule(data=st.data())
+    def add_up_to_the_wrap(self, data: st.DataObject):
+        """One step at a time until the ring's last slot is written, with or without an
+        episode end there: an episode that ends (or goes on) across the wrap."""
+        left = self.c.length - self.history.total % self.c.length
+        rows = self.c.rows
+        flags = st.lists(st.booleans(), min_size=rows, max_size=rows)
+        last = np.array(data.draw(flags, label="end at the wrap"), bool)
+        for k in range(left):
+            done = last if k == left - 1 else np.zeros(rows, bool)
+            self._add(None, done[:, None])
+
+    def _check_counters(self, seen: dict[str, Any]) -> None:
+        c, h = self.c, self.history
+        assert bool(seen["can_sample"]) == self._ready()
+        assert int(seen["size"]) == h.fill * c.rows
+        assert int(seen["num_valid_windows"]) == len(self.rule.valid(h))
+
+    # --- samples
+
+    def _ready(self) -> bool:
+        c = self.c
+        return can_sample(
+            self.history, c.sequence_length, c.period, c.min_length or c.sequence_length
+        )
+
+    # Sampling too early is tried once per sequence (its error checked), not at every step.
+    @precondition(lambda self: self.refused < 1 or self._ready())
+    @rule(beta=st.sampled_from([0.0, 0.5, 1.0]))
+    def sample(self, beta: float):
+        c, h = self.c, self.history
+        self.key, key = jax.random.split(self.key)
+        valid = self.rule.valid(h)
+        expected = None
+        if not self._ready():
+            expected = TOO_EARLY
+            self.refused += 1
+        elif not valid:
+            expected = NO_WINDOW
+        elif c.prioritised and self.priorities.total() == 0:
+            expected = ALL_ZERO
+
+        def draw():
+            if c.prioritised:
+                return _psample(self.buffer, key, jnp.float32(beta))
+            return _sample(self.buffer, key)
+
+        if expected is not None:
+            with pytest.raises(Exception, match=expected):
+                draw()
+            return
+        sample = draw()
+        self._check_sample(sample, valid, beta)
+        self.samples = [*self.samples[-2:], sample]
+
+    def _check_sample(self, sample: Any, valid: set, beta: float) -> None:
+        c, h, s = self.c, self.history, self.c.sequence_length
+        indices, steps = np.asarray(sample.indices), np.asarray(sample.steps)
+        mask = np.asarray(sample.mask)
+        x, obs, done = (np.asarray(sample.experience[k]) for k in ("x", "obs", "done"))
+        assert x.shape == (BATCH, s) and obs.shape == (BATCH, s, 2) and mask.shape == (BATCH, s)
+        windows = [window_of(i, t, c.length) for i, t in zip(indices, steps, strict=True)]
+        for i, window in enumerate(windows):
+            assert window in valid, f"sampled {window}, valid: {sorted(valid)}"
+            want = self.rule.mask(h, window)
+            np.testing.assert_array_equal(mask[i], want)
+            np.testing.assert_array_equal(x[i], np.where(want, h.window("x", *window, s), 0))
+            data = np.where(want[:, None], h.window("obs", *window, s), 0)
+            np.testing.assert_array_equal(obs[i], data)
+            np.testing.assert_array_equal(done[i], h.window("done", *window, s) & want)
+        if c.prioritised:
+            probabilities = np.array([self.priorities.probability(w) for w in windows])
+            assert (probabilities > 0).all(), "a window of priority 0 was drawn"
+            np.testing.assert_allclose(np.asarray(sample.probabilities), probabilities, rtol=1e-5)
+            weights = (probabilities / probabilities.min()) ** -beta
+            np.testing.assert_allclose(np.asarray(sample.weights), weights, rtol=1e-4)
+
+    # --- priority updates
+
+    @precondition(lambda self: self.c.prioritised and bool(self.samples))
+    @rule(data=st.data())
+    def set_priorities(self, data: st.DataObject):
+        """Priorities for a recent sample (its windows may have been overwritten since),
+        given as the sample or as indices and steps, some of them replaced by arbitrary
+        windows: held or overwritten, valid or not."""
+        c, h = self.c, self.history
+        sample = data.draw(st.sampled_from(self.samples), label="sample")
+        indices, steps = np.asarray(sample.indices), np.asarray(sample.steps)
+        windows = [window_of(i, t, c.length) for i, t in zip(indices, steps, strict=True)]
+        as_arrays = data.draw(st.booleans(), label="as indices and steps")
+        if as_arrays:
+            oldest = max(0, h.total - 2 * c.length)
+            for j in range(data.draw(st.integers(0, BATCH), label="replaced")):
+                row = data.draw(st.integers(0, c.rows - 1))
+                windows[j] = (row, data.draw(st.integers(oldest, h.total - 1)))
+        # One priority per window (duplicates agree), so no result depends on which
+        # duplicate the buffer applies.
+        distinct = sorted(set(windows))
+        n = len(distinct)
+        values = data.draw(st.lists(st.sampled_from(PRIORITIES), min_size=n, max_size=n))
+        value_of = dict(zip(distinct, values, strict=True))
+        priorities = np.array([value_of[w] for w in windows], np.float32)
+        if as_arrays:
+            new_indices = jnp.array([flat_index(w, c.length) for w in windows], jnp.int32)
+            new_steps = jnp.array([w[1] for w in windows], jnp.uint32)
+            self.buffer, seen = _set_at(
+                self.buffer, new_indices, new_steps, jnp.asarray(priorities)
+            )
+        else:
+            self.buffer, seen = _set(self.buffer, sample, jnp.asarray(priorities))
+        self.priorities.set(windows, priorities)
+        self._check_counters(seen)
+
+
+EpisodeMachine.TestCase.settings = stateful_settings(max_examples=20, stateful_step_count=12)
+TestEpisodeMachine = pytest.mark.stateful(EpisodeMachine.TestCase)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis.stateful import initialize, precondition, rule
+from hypothesis.stateful import initialize, rule
 
 import equibuffer as eb
 
@@ -80,16 +80,15 @@ SHAPES = [
     (1, 6, 6, 1, 1.0, "done", None),
     (2, 5, 2, 4, 0.5, _done, None),
 ]
-CONFIGS = [
-    Config(prioritised, mode, *shape)
-    for shape in SHAPES
-    for mode in ("never_cross", "pad")
-    for prioritised in (False, True)
-]
-ADD_STEPS = (5, None, 2, 9)  # None: the one-step form; 9 is more than any ring
+UNIFORM = [Config(False, mode, *shape) for shape in SHAPES for mode in ("never_cross", "pad")]
+PRIORITISED = [dataclasses.replace(c, prioritised=True) for c in UNIFORM]
+# Steps per add. None: the one-step form; 9 is more than any ring; "wrap": one step at a
+# time up to the ring's last slot, that step ending an episode in some rows.
+ADD_STEPS = (5, None, 2, 9, "wrap")
 BATCH = 16
 END = st.sampled_from([False, False, False, True])  # an episode end on about 1 step in 4
 PRIORITIES = (0.0, 0.25, 1.0, 2.0, 3.5)
+DROPPED = 8.0  # the priority of updates to windows not valid now
 TOO_EARLY = "cannot be sampled yet"
 NO_WINDOW = "no window of sequence_length=[0-9]+ fits inside an episode"
 ALL_ZERO = "every valid window has priority 0"
@@ -138,10 +137,13 @@ def _steps(start: int, done: np.ndarray) -> dict[str, np.ndarray]:
 
 
 class EpisodeMachine(CountedMachine):
-    """Random adds, samples and priority updates of an episode-aware buffer."""
+    """Random adds and samples of an `EpisodeTrajectoryBuffer`."""
 
-    @initialize(config=st.sampled_from(CONFIGS), seed=st.integers(0, 2**32 - 1))
+    @initialize(config=st.sampled_from(UNIFORM), seed=st.integers(0, 2**32 - 1))
     def setup(self, config: Config, seed: int):
+        self.start(config, seed)
+
+    def start(self, config: Config, seed: int) -> None:
         self.c = config
         self.buffer = _make(config)
         self.history = History(config.rows, config.length)
@@ -151,9 +153,24 @@ class EpisodeMachine(CountedMachine):
         self.priorities = Priorities(config.alpha)
         self.key = jax.random.key(seed)
         self.samples: list[Any] = []  # the latest samples, for set_priorities
-        self.refused = 0  # samples refused so far because `can_sample()` is false
 
     # --- adds
+
+    @rule(t=st.sampled_from(ADD_STEPS), data=st.data())
+    def add(self, t: int | str | None, data: st.DataObject):
+        rows = self.c.rows
+        if t == "wrap":
+            left = self.c.length - self.history.total % self.c.length
+            ends = st.lists(st.booleans(), min_size=rows, max_size=rows)
+            last = np.array(data.draw(ends, label="episode ends at the wrap"), bool)
+            for k in range(left):
+                self._add(None, (last if k == left - 1 else np.zeros(rows, bool))[:, None])
+        else:
+            assert not isinstance(t, str)
+            n = 1 if t is None else t
+            flags = data.draw(st.lists(END, min_size=rows * n, max_size=rows * n), label="done")
+            self._add(t, np.array(flags, bool).reshape(rows, n))
+        self.after_add()
 
     def _add(self, t: int | None, done: np.ndarray) -> None:
         steps = _steps(self.history.total, done)
@@ -163,23 +180,8 @@ class EpisodeMachine(CountedMachine):
         self.priorities.refresh(self.rule.valid(self.history))
         self._check_counters(seen)
 
-    @rule(t=st.sampled_from(ADD_STEPS), data=st.data())
-    def add(self, t: int | None, data: st.DataObject):
-        rows, n = self.c.rows, 1 if t is None else t
-        flags = data.draw(st.lists(END, min_size=rows * n, max_size=rows * n), label="done")
-        self._add(t, np.array(flags, bool).reshape(rows, n))
-
-    @rule(data=st.data())
-    def add_up_to_the_wrap(self, data: st.DataObject):
-        """One step at a time until the ring's last slot is written, with or without an
-        episode end there: an episode that ends (or goes on) across the wrap."""
-        left = self.c.length - self.history.total % self.c.length
-        rows = self.c.rows
-        flags = st.lists(st.booleans(), min_size=rows, max_size=rows)
-        last = np.array(data.draw(flags, label="end at the wrap"), bool)
-        for k in range(left):
-            done = last if k == left - 1 else np.zeros(rows, bool)
-            self._add(None, done[:, None])
+    def after_add(self) -> None:
+        pass
 
     def _check_counters(self, seen: dict[str, Any]) -> None:
         c, h = self.c, self.history
@@ -195,21 +197,25 @@ class EpisodeMachine(CountedMachine):
             self.history, c.sequence_length, c.period, c.min_length or c.sequence_length
         )
 
-    # Sampling too early is tried once per sequence (its error checked), not at every step.
-    @precondition(lambda self: self.refused < 1 or self._ready())
     @rule(beta=st.sampled_from([0.0, 0.5, 1.0]))
     def sample(self, beta: float):
+        self._sample(beta)
+
+    def _sample(self, beta: float, errors: bool = True) -> Any:
+        """Sample and check the result against the reference, or check the error that the
+        reference expects (`errors=False`: only when no error is expected)."""
         c, h = self.c, self.history
-        self.key, key = jax.random.split(self.key)
         valid = self.rule.valid(h)
         expected = None
         if not self._ready():
             expected = TOO_EARLY
-            self.refused += 1
         elif not valid:
             expected = NO_WINDOW
         elif c.prioritised and self.priorities.total() == 0:
             expected = ALL_ZERO
+        if expected is not None and not errors:
+            return None
+        self.key, key = jax.random.split(self.key)
 
         def draw():
             if c.prioritised:
@@ -219,10 +225,11 @@ class EpisodeMachine(CountedMachine):
         if expected is not None:
             with pytest.raises(Exception, match=expected):
                 draw()
-            return
+            return None
         sample = draw()
         self._check_sample(sample, valid, beta)
         self.samples = [*self.samples[-2:], sample]
+        return sample
 
     def _check_sample(self, sample: Any, valid: set, beta: float) -> None:
         c, h, s = self.c, self.history, self.c.sequence_length
@@ -246,31 +253,47 @@ class EpisodeMachine(CountedMachine):
             weights = (probabilities / probabilities.min()) ** -beta
             np.testing.assert_allclose(np.asarray(sample.weights), weights, rtol=1e-4)
 
-    # --- priority updates
 
-    @precondition(lambda self: self.c.prioritised and bool(self.samples))
+class PrioritisedEpisodeMachine(EpisodeMachine):
+    """Random adds, samples and priority updates of a `PrioritisedEpisodeTrajectoryBuffer`.
+    After every add and every update a sample checks the priorities (through its
+    `probabilities`, which depend on every valid window's priority)."""
+
+    @initialize(config=st.sampled_from(PRIORITISED), seed=st.integers(0, 2**32 - 1))
+    def setup(self, config: Config, seed: int):
+        self.start(config, seed)
+
+    def after_add(self) -> None:
+        self._sample(beta=0.5, errors=False)
+
     @rule(data=st.data())
     def set_priorities(self, data: st.DataObject):
         """Priorities for a recent sample (its windows may have been overwritten since),
         given as the sample or as indices and steps, some of them replaced by arbitrary
         windows: held or overwritten, valid or not."""
         c, h = self.c, self.history
+        if not self.samples:
+            return
         sample = data.draw(st.sampled_from(self.samples), label="sample")
         indices, steps = np.asarray(sample.indices), np.asarray(sample.steps)
         windows = [window_of(i, t, c.length) for i, t in zip(indices, steps, strict=True)]
         as_arrays = data.draw(st.booleans(), label="as indices and steps")
+        current = self.priorities.priority  # the windows valid now
         if as_arrays:
-            oldest = max(0, h.total - 2 * c.length)
-            for j in range(data.draw(st.integers(0, BATCH), label="replaced")):
-                row = data.draw(st.integers(0, c.rows - 1))
-                windows[j] = (row, data.draw(st.integers(oldest, h.total - 1)))
+            lo = max(0, h.total - 2 * c.length)
+            others = [(r, t) for r in range(c.rows) for t in range(lo, h.total)]
+            others = [w for w in others if w not in current]  # overwritten, or not valid
+            if others:
+                for j in range(data.draw(st.integers(0, BATCH), label="replaced")):
+                    windows[j] = data.draw(st.sampled_from(others))
         # One priority per window (duplicates agree), so no result depends on which
-        # duplicate the buffer applies.
-        distinct = sorted(set(windows))
+        # duplicate the buffer applies. Updates the buffer must drop carry a priority above
+        # any other, which shows (as the entry priority of new windows) if one is applied.
+        distinct = sorted(w for w in set(windows) if w in current)
         n = len(distinct)
         values = data.draw(st.lists(st.sampled_from(PRIORITIES), min_size=n, max_size=n))
         value_of = dict(zip(distinct, values, strict=True))
-        priorities = np.array([value_of[w] for w in windows], np.float32)
+        priorities = np.array([value_of.get(w, DROPPED) for w in windows], np.float32)
         if as_arrays:
             new_indices = jnp.array([flat_index(w, c.length) for w in windows], jnp.int32)
             new_steps = jnp.array([w[1] for w in windows], jnp.uint32)
@@ -281,7 +304,12 @@ class EpisodeMachine(CountedMachine):
             self.buffer, seen = _set(self.buffer, sample, jnp.asarray(priorities))
         self.priorities.set(windows, priorities)
         self._check_counters(seen)
+        self._sample(beta=1.0, errors=False)
 
 
-EpisodeMachine.TestCase.settings = stateful_settings(max_examples=20, stateful_step_count=12)
+EpisodeMachine.TestCase.settings = stateful_settings(max_examples=10, stateful_step_count=12)
 TestEpisodeMachine = pytest.mark.stateful(EpisodeMachine.TestCase)
+PrioritisedEpisodeMachine.TestCase.settings = stateful_settings(
+    max_examples=10, stateful_step_count=12
+)
+TestPrioritisedEpisodeMachine = pytest.mark.stateful(PrioritisedEpisodeMachine.TestCase)

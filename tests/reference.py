@@ -248,3 +248,46 @@ class ClusteredReference:
     def drawable(self) -> list[int]:
         """The clusters a sample may draw from: holding items, of positive weight."""
         return [c for c, d in enumerate(self.routed) if d and self.weights[c] > 0]
+
+
+class BufferReference:
+    """A ring buffer as its pieces: a `History`, a window rule (`UniformRule` or
+    `EpisodeRule`), `min_length`, and `Priorities` when `alpha` is given (prioritised)."""
+
+    def __init__(
+        self,
+        rows: int,
+        length: int,
+        rule: UniformRule | EpisodeRule,
+        min_length: int | None = None,
+        alpha: float | None = None,
+    ):
+        self.history = History(rows, length)
+        self.rule = rule
+        self.min_length = rule.sequence_length if min_length is None else min_length
+        self.priorities = None if alpha is None else Priorities(alpha)
+
+    def add(self, steps: Mapping[str, np.ndarray]) -> None:
+        self.history.add(steps)
+        if self.priorities is not None:
+            self.priorities.refresh(self.valid())
+
+    def valid(self) -> set[Window]:
+        return self.rule.valid(self.history)
+
+    def ready(self) -> bool:
+        """`can_sample()`: the counters only."""
+        rule = self.rule
+        return can_sample(self.history, rule.sequence_length, rule.period, self.min_length)
+
+    def refusal(self) -> str | None:
+        """Why `sample` must raise now, or None: "too early" (`can_sample()` is false), "no
+        window" (ready counters, but no window valid by an episode rule), "all zero" (every
+        valid window has priority 0)."""
+        if not self.ready():
+            return "too early"
+        if not self.valid():
+            return "no window"
+        if self.priorities is not None and self.priorities.total() == 0:
+            return "all zero"
+        return None

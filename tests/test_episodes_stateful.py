@@ -21,15 +21,7 @@ from hypothesis.stateful import initialize, rule
 import equibuffer as eb
 
 from .helpers import CountedMachine, stateful_settings
-from .reference import (
-    can_sample,
-    EpisodeRule,
-    flat_index,
-    History,
-    Priorities,
-    tags,
-    window_of,
-)
+from .reference import BufferReference, EpisodeRule, flat_index, Priorities, tags, window_of
 
 
 EXAMPLE = {"x": jnp.int32(0), "obs": jnp.zeros(2, jnp.float32), "done": jnp.bool_(False)}
@@ -89,9 +81,11 @@ BATCH = 16
 END = st.sampled_from([False, False, False, True])  # an episode end on about 1 step in 4
 PRIORITIES = (0.0, 0.25, 1.0, 2.0, 3.5)
 DROPPED = 8.0  # the priority of updates to windows not valid now
-TOO_EARLY = "cannot be sampled yet"
-NO_WINDOW = "no window of sequence_length=[0-9]+ fits inside an episode"
-ALL_ZERO = "every valid window has priority 0"
+REFUSALS = {
+    "too early": "cannot be sampled yet",
+    "no window": "no window of sequence_length=[0-9]+ fits inside an episode",
+    "all zero": "every valid window has priority 0",
+}
 
 
 def _observe(buffer) -> dict[str, Any]:
@@ -146,11 +140,13 @@ class EpisodeMachine(CountedMachine):
     def start(self, config: Config, seed: int) -> None:
         self.c = config
         self.buffer = _make(config)
-        self.history = History(config.rows, config.length)
-        self.rule = EpisodeRule(
+        rule = EpisodeRule(
             config.sequence_length, config.period, config.mode, lambda h: h.leaves["done"]
         )
-        self.priorities = Priorities(config.alpha)
+        alpha = config.alpha if config.prioritised else None
+        self.ref = BufferReference(config.rows, config.length, rule, config.min_length, alpha)
+        self.history, self.rule = self.ref.history, self.ref.rule
+        self.priorities = self.ref.priorities or Priorities(0.0)  # (unused when uniform)
         self.key = jax.random.key(seed)
         self.samples: list[Any] = []  # the latest samples, for set_priorities
 
@@ -176,8 +172,7 @@ class EpisodeMachine(CountedMachine):
         steps = _steps(self.history.total, done)
         batch = steps if t is not None else {k: v[:, 0] for k, v in steps.items()}
         self.buffer, seen = _add(self.buffer, jax.tree.map(jnp.asarray, batch))
-        self.history.add(steps)
-        self.priorities.refresh(self.rule.valid(self.history))
+        self.ref.add(steps)
         self._check_counters(seen)
 
     def after_add(self) -> None:
@@ -185,17 +180,11 @@ class EpisodeMachine(CountedMachine):
 
     def _check_counters(self, seen: dict[str, Any]) -> None:
         c, h = self.c, self.history
-        assert bool(seen["can_sample"]) == self._ready()
+        assert bool(seen["can_sample"]) == self.ref.ready()
         assert int(seen["size"]) == h.fill * c.rows
         assert int(seen["num_valid_windows"]) == len(self.rule.valid(h))
 
     # --- samples
-
-    def _ready(self) -> bool:
-        c = self.c
-        return can_sample(
-            self.history, c.sequence_length, c.period, c.min_length or c.sequence_length
-        )
 
     @rule(beta=st.sampled_from([0.0, 0.5, 1.0]))
     def sample(self, beta: float):
@@ -204,15 +193,10 @@ class EpisodeMachine(CountedMachine):
     def _sample(self, beta: float, errors: bool = True) -> Any:
         """Sample and check the result against the reference, or check the error that the
         reference expects (`errors=False`: only when no error is expected)."""
-        c, h = self.c, self.history
-        valid = self.rule.valid(h)
-        expected = None
-        if not self._ready():
-            expected = TOO_EARLY
-        elif not valid:
-            expected = NO_WINDOW
-        elif c.prioritised and self.priorities.total() == 0:
-            expected = ALL_ZERO
+        c = self.c
+        valid = self.ref.valid()
+        refusal = self.ref.refusal()
+        expected = None if refusal is None else REFUSALS[refusal]
         if expected is not None and not errors:
             return None
         self.key, key = jax.random.split(self.key)

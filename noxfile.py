@@ -3,6 +3,8 @@
 Environments are built with uv from the dependency groups in pyproject.toml.
 """
 
+import os
+
 import nox
 
 
@@ -23,6 +25,27 @@ def tests(session: nox.Session) -> None:
     """The test suite (jaxtyping + beartype runtime checks on), on every supported Python."""
     install(session, "tests")
     session.run("pytest", "-n", "2", "--dist", "loadfile", *session.posargs)
+
+
+@nox.session(python="3.12")
+def stateful(session: nox.Session) -> None:
+    """Every stateful test (marker `stateful`) scaled up: each one's `max_examples` times
+    `EQUIBUFFER_STATEFUL_EXAMPLES`, at least 10,000 random sequences in all (the session fails
+    with fewer); prints the count per test and the total. About 10 minutes on two cores."""
+    install(session, "tests")
+    session.run(
+        "pytest",
+        "-m",
+        "stateful",
+        "-n",
+        "2",
+        "--dist",
+        "load",
+        "--min-sequences",
+        "10000",
+        *session.posargs,
+        env={"EQUIBUFFER_STATEFUL_EXAMPLES": os.environ.get("EQUIBUFFER_STATEFUL_EXAMPLES", "80")},
+    )
 
 
 @nox.session(python="3.12")

@@ -8,10 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import equibuffer as eb
 from equibuffer._ratelimit import RateLimited
+
+from .helpers import count_sequence, stateful_settings
 
 
 EXAMPLE = {"x": jnp.float32(0)}
@@ -128,7 +130,8 @@ SETUPS = [
 ]
 
 
-@settings(max_examples=20, deadline=None)
+@pytest.mark.stateful
+@stateful_settings(max_examples=20)
 @given(
     setup=st.sampled_from(SETUPS),
     ops=st.lists(
@@ -136,6 +139,7 @@ SETUPS = [
     ),
 )
 def test_counters_match_reference(setup, ops):
+    count_sequence("test_counters_match_reference")
     config, spi, extra = setup
     make, layout = CONFIGS[config]
     rows = layout[0]

@@ -1,3 +1,4 @@
+import collections
 import os
 
 import jax
@@ -25,8 +26,11 @@ def getkey():
 
 
 # --- The count of random sequences the stateful tests ran (`nox -s stateful`) ---------------
+# Each test's report carries the sequences it ran (so xdist workers send theirs, and a worker
+# that crashes later loses none); the controller adds them up and prints them.
 
-_SEQUENCES_KEY = "equibuffer_stateful_sequences"
+_BEFORE = pytest.StashKey[dict]()
+_REPORTED: collections.Counter[str] = collections.Counter()
 
 
 def pytest_addoption(parser):
@@ -38,19 +42,33 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_runtest_setup(item):
+    item.stash[_BEFORE] = dict(SEQUENCES)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call":
+        before = item.stash.get(_BEFORE, {})
+        ran = {k: n - before.get(k, 0) for k, n in SEQUENCES.items() if n > before.get(k, 0)}
+        report.user_properties.append(("stateful_sequences", ran))
+    return report
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        for key, ran in report.user_properties:
+            if key == "stateful_sequences":
+                _REPORTED.update(ran)
+
+
 def pytest_sessionfinish(session):
-    workeroutput = getattr(session.config, "workeroutput", None)
-    if workeroutput is not None:  # an xdist worker: hand its counts to the controller
-        workeroutput[_SEQUENCES_KEY] = dict(SEQUENCES)
-        return
     wanted = session.config.getoption("--min-sequences")
-    if wanted and sum(SEQUENCES.values()) < wanted and session.exitstatus == 0:
+    if getattr(session.config, "workerinput", None) is not None:
+        return  # an xdist worker: the controller decides
+    if wanted and sum(_REPORTED.values()) < wanted and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):
-    SEQUENCES.update(getattr(node, "workeroutput", {}).get(_SEQUENCES_KEY, {}))
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -58,9 +76,9 @@ def pytest_terminal_summary(terminalreporter, config):
     if not (os.environ.get(STATEFUL_EXAMPLES) or wanted):
         return
     terminalreporter.section("stateful sequences")
-    for name, n in sorted(SEQUENCES.items()):
+    for name, n in sorted(_REPORTED.items()):
         terminalreporter.write_line(f"{name}: {n}")
-    total = sum(SEQUENCES.values())
+    total = sum(_REPORTED.values())
     terminalreporter.write_line(f"total: {total} random sequences")
     if total < wanted:
         terminalreporter.write_line(f"FAILED: fewer than --min-sequences={wanted}", red=True)

@@ -60,6 +60,12 @@ class Reference:
         self.credit -= b
 
 
+def _above_2(item):
+    # One function object for every buffer built: `cluster_fn` is static, so a new lambda
+    # per example would compile `_apply` again for every example.
+    return (item["x"] > 2).astype(jnp.int32)
+
+
 # (name, constructor, reference layout (rows, length, sequence_length, period, min_length)).
 # The last one can be sampled only when its count of steps is odd (max_length 3, windows of 3
 # starting at even steps), so the buffer's `can_sample()` turns false again after warm-up.
@@ -89,7 +95,7 @@ CONFIGS = {
             add_batch_size=2,
             num_clusters=2,
             cluster_capacity=4,
-            cluster_fn=lambda item: (item["x"] > 2).astype(jnp.int32),
+            cluster_fn=_above_2,
         ),
         (2, 4, 1, 1, 1),
     ),

@@ -44,7 +44,7 @@ def stateful(session: nox.Session) -> None:
         "--min-sequences",
         "10000",
         *session.posargs,
-        env={"EQUIBUFFER_STATEFUL_EXAMPLES": os.environ.get("EQUIBUFFER_STATEFUL_EXAMPLES", "80")},
+        env={"EQUIBUFFER_STATEFUL_EXAMPLES": os.environ.get("EQUIBUFFER_STATEFUL_EXAMPLES", "36")},
     )
 
 

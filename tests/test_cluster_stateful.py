@@ -142,5 +142,5 @@ class ClusteredMachine(CountedMachine):
         assert len(set(slot_of.values())) == len(slot_of)
 
 
-ClusteredMachine.TestCase.settings = stateful_settings(max_examples=15, stateful_step_count=12)
+ClusteredMachine.TestCase.settings = stateful_settings(max_examples=80, stateful_step_count=12)
 TestClusteredMachine = pytest.mark.stateful(ClusteredMachine.TestCase)

@@ -291,9 +291,9 @@ class PrioritisedEpisodeMachine(EpisodeMachine):
         self._sample(beta=1.0, errors=False)
 
 
-EpisodeMachine.TestCase.settings = stateful_settings(max_examples=10, stateful_step_count=12)
+EpisodeMachine.TestCase.settings = stateful_settings(max_examples=12, stateful_step_count=12)
 TestEpisodeMachine = pytest.mark.stateful(EpisodeMachine.TestCase)
 PrioritisedEpisodeMachine.TestCase.settings = stateful_settings(
-    max_examples=10, stateful_step_count=12
+    max_examples=12, stateful_step_count=12
 )
 TestPrioritisedEpisodeMachine = pytest.mark.stateful(PrioritisedEpisodeMachine.TestCase)

@@ -242,5 +242,5 @@ class MixerMachine(CountedMachine):
         self._sample(beta=1.0, errors=False)
 
 
-MixerMachine.TestCase.settings = stateful_settings(max_examples=10, stateful_step_count=12)
+MixerMachine.TestCase.settings = stateful_settings(max_examples=40, stateful_step_count=12)
 TestMixerMachine = pytest.mark.stateful(MixerMachine.TestCase)

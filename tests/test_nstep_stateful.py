@@ -167,5 +167,5 @@ class NStepMachine(CountedMachine):
 _AT = {"first": lambda m: 0, "last": lambda m: m - 1, "second": lambda m: m}
 
 
-NStepMachine.TestCase.settings = stateful_settings(max_examples=15, stateful_step_count=12)
+NStepMachine.TestCase.settings = stateful_settings(max_examples=50, stateful_step_count=12)
 TestNStepMachine = pytest.mark.stateful(NStepMachine.TestCase)

@@ -52,7 +52,8 @@ def pytest_runtest_makereport(item, call):
     if report.when == "call":
         before = item.stash.get(_BEFORE, {})
         ran = {k: n - before.get(k, 0) for k, n in SEQUENCES.items() if n > before.get(k, 0)}
-        report.user_properties.append(("stateful_sequences", ran))
+        if ran:
+            report.user_properties.append(("stateful_sequences", ran))
     return report
 
 

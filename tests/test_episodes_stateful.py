@@ -190,14 +190,14 @@ class EpisodeMachine(CountedMachine):
     def sample(self, beta: float):
         self._sample(beta)
 
-    def _sample(self, beta: float, errors: bool = True) -> Any:
+    def _sample(self, beta: float, too_early: bool = True) -> Any:
         """Sample and check the result against the reference, or check the error that the
-        reference expects (`errors=False`: only when no error is expected)."""
+        reference expects (`too_early=False`: not when `can_sample()` is false)."""
         c = self.c
         valid = self.ref.valid()
         refusal = self.ref.refusal()
         expected = None if refusal is None else REFUSALS[refusal]
-        if expected is not None and not errors:
+        if refusal == "too early" and not too_early:
             return None
         self.key, key = jax.random.split(self.key)
 
@@ -248,7 +248,7 @@ class PrioritisedEpisodeMachine(EpisodeMachine):
         self.start(config, seed)
 
     def after_add(self) -> None:
-        self._sample(beta=0.5, errors=False)
+        self._sample(beta=0.5, too_early=False)
 
     @rule(data=st.data())
     def set_priorities(self, data: st.DataObject):
@@ -288,7 +288,24 @@ class PrioritisedEpisodeMachine(EpisodeMachine):
             self.buffer, seen = _set(self.buffer, sample, jnp.asarray(priorities))
         self.priorities.set(windows, priorities)
         self._check_counters(seen)
-        self._sample(beta=1.0, errors=False)
+        self._sample(beta=1.0, too_early=False)
+
+    @rule()
+    def set_every_priority_to_zero(self):
+        """Priority 0 for every valid window (`set_priorities` with indices and steps, in
+        batches of `BATCH`): `sample` must refuse until an add brings new windows, which enter
+        at the largest priority set so far."""
+        c = self.c
+        windows = sorted(self.ref.valid())
+        for k in range(0, len(windows), BATCH):
+            chunk = windows[k : k + BATCH]
+            chunk += [chunk[0]] * (BATCH - len(chunk))  # (the same window, the same value)
+            indices = jnp.array([flat_index(w, c.length) for w in chunk], jnp.int32)
+            steps = jnp.array([w[1] for w in chunk], jnp.uint32)
+            self.buffer, seen = _set_at(self.buffer, indices, steps, jnp.zeros(BATCH))
+            self.priorities.set(chunk, np.zeros(BATCH, np.float32))
+            self._check_counters(seen)
+        self._sample(beta=0.5, too_early=False)
 
 
 EpisodeMachine.TestCase.settings = stateful_settings(max_examples=12, stateful_step_count=12)

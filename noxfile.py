@@ -31,7 +31,7 @@ def tests(session: nox.Session) -> None:
 def stateful(session: nox.Session) -> None:
     """Every stateful test (marker `stateful`) scaled up: each one's `max_examples` times
     `EQUIBUFFER_STATEFUL_EXAMPLES`, at least 10,000 random sequences in all (the session fails
-    with fewer); prints the count per test and the total. 9 minutes on two shared cores."""
+    with fewer); prints the count per test and the total. 7.5 to 9 minutes on two shared cores."""
     install(session, "tests")
     session.run(
         "pytest",

@@ -1,6 +1,11 @@
+import collections
+import os
+
 import jax
 import jax.random as jr
 import pytest
+
+from .helpers import SEQUENCES, STATEFUL_EXAMPLES
 
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -18,3 +23,63 @@ def getkey():
         return sub
 
     return _getkey
+
+
+# --- The count of random sequences the stateful tests ran (`nox -s stateful`) ---------------
+# Each test's report carries the sequences it ran (so xdist workers send theirs, and a worker
+# that crashes later loses none); the controller adds them up and prints them.
+
+_BEFORE = pytest.StashKey[dict]()
+_REPORTED: collections.Counter[str] = collections.Counter()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--min-sequences",
+        type=int,
+        default=0,
+        help="fail the session when the stateful tests ran fewer random sequences in all",
+    )
+
+
+def pytest_runtest_setup(item):
+    item.stash[_BEFORE] = dict(SEQUENCES)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call":
+        before = item.stash.get(_BEFORE, {})
+        ran = {k: n - before.get(k, 0) for k, n in SEQUENCES.items() if n > before.get(k, 0)}
+        if ran:
+            report.user_properties.append(("stateful_sequences", ran))
+    return report
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        for key, ran in report.user_properties:
+            if key == "stateful_sequences":
+                _REPORTED.update(ran)
+
+
+def pytest_sessionfinish(session):
+    wanted = session.config.getoption("--min-sequences")
+    if getattr(session.config, "workerinput", None) is not None:
+        return  # an xdist worker: the controller decides
+    if wanted and sum(_REPORTED.values()) < wanted and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    wanted = config.getoption("--min-sequences")
+    if not (os.environ.get(STATEFUL_EXAMPLES) or wanted):
+        return
+    terminalreporter.section("stateful sequences")
+    for name, n in sorted(_REPORTED.items()):
+        terminalreporter.write_line(f"{name}: {n}")
+    total = sum(_REPORTED.values())
+    terminalreporter.write_line(f"total: {total} random sequences")
+    if total < wanted:
+        terminalreporter.write_line(f"FAILED: fewer than --min-sequences={wanted}", red=True)

@@ -1,7 +1,12 @@
 """Small shared helpers for the tests."""
 
+import collections
+import os
+
 import numpy as np
 import scipy.stats
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine
 
 
 def chi_square_pvalue(counts: np.ndarray, expected_probs: np.ndarray) -> float:
@@ -48,3 +53,44 @@ class ReferenceRing:
 
     def window(self, row: int, start: int) -> np.ndarray:
         return np.stack([self.steps[t][row] for t in range(start, start + self.sequence_length)])
+
+
+# --- Stateful tests: one scale for all of them, and a count of the sequences they run --------
+
+# `EQUIBUFFER_STATEFUL_EXAMPLES=k` multiplies every stateful test's `max_examples` by `k`
+# (`nox -s stateful` sets it); unset, each runs its small per-commit budget.
+STATEFUL_EXAMPLES = "EQUIBUFFER_STATEFUL_EXAMPLES"
+
+# Random operation sequences run in this process, by machine (or test) name. `conftest.py`
+# adds up the xdist workers' counts and prints them when the variable above is set.
+SEQUENCES: collections.Counter[str] = collections.Counter()
+
+
+def stateful_scale() -> int:
+    value = os.environ.get(STATEFUL_EXAMPLES, "").strip()
+    if not value:
+        return 1
+    scale = int(value)
+    if scale < 1:
+        raise ValueError(f"{STATEFUL_EXAMPLES} must be a positive integer, got {value!r}.")
+    return scale
+
+
+def stateful_settings(max_examples: int, stateful_step_count: int | None = None) -> settings:
+    """Settings of a stateful test: `max_examples` (times the scale above), no deadline
+    (the first call of each configuration compiles)."""
+    kw = {} if stateful_step_count is None else {"stateful_step_count": stateful_step_count}
+    return settings(max_examples=max_examples * stateful_scale(), deadline=None, **kw)
+
+
+def count_sequence(name: str) -> None:
+    """Count one random operation sequence of the stateful test `name`."""
+    SEQUENCES[name] += 1
+
+
+class CountedMachine(RuleBasedStateMachine):
+    """A state machine that counts its runs: hypothesis builds one instance per sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        count_sequence(type(self).__name__)

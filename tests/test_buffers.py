@@ -4,12 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import settings
-from hypothesis.stateful import initialize, invariant, rule, RuleBasedStateMachine
+from hypothesis.stateful import initialize, invariant, rule
 
 import equibuffer as eb
 
-from .helpers import chi_square_pvalue, ReferenceRing
+from .helpers import chi_square_pvalue, CountedMachine, ReferenceRing, stateful_settings
 
 
 def _example():
@@ -61,7 +60,7 @@ def _make(kind, rows, length, seq, period):
     return eb.ItemBuffer(_example(), add_batch_size=rows, max_length=length)
 
 
-class BufferMachine(RuleBasedStateMachine):
+class BufferMachine(CountedMachine):
     """Random adds (one step, several, a full ring, more than the ring) and samples, each
     compared with the NumPy reference at the returned indices."""
 
@@ -108,8 +107,8 @@ class BufferMachine(RuleBasedStateMachine):
         assert bool(b.can_sample()) == (ref.fill >= b.min_length and bool(ref.valid_starts()))
 
 
-BufferMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=10, deadline=None)
-TestBufferMachine = BufferMachine.TestCase
+BufferMachine.TestCase.settings = stateful_settings(max_examples=15, stateful_step_count=10)
+TestBufferMachine = pytest.mark.stateful(BufferMachine.TestCase)
 
 
 @pytest.mark.parametrize("kind", ["trajectory", "transition", "item"])

@@ -4,8 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import settings
-from hypothesis.stateful import initialize, invariant, precondition, rule, RuleBasedStateMachine
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from equibuffer._buffers._prioritised import (
     PrioritisedItemBuffer,
@@ -14,7 +13,7 @@ from equibuffer._buffers._prioritised import (
     PrioritisedTransitionBuffer,
 )
 
-from .helpers import chi_square_pvalue, ReferenceRing
+from .helpers import chi_square_pvalue, CountedMachine, ReferenceRing, stateful_settings
 
 
 def _example():
@@ -91,7 +90,7 @@ _sample = eqx.filter_jit(lambda b, k, n, beta: b.sample(k, n, beta=beta))
 _set = eqx.filter_jit(lambda b, s, p: b.set_priorities(s, p))
 
 
-class PrioritisedMachine(RuleBasedStateMachine):
+class PrioritisedMachine(CountedMachine):
     """Random adds, samples and priority updates (some stale, some duplicated, some zero),
     every result compared with the NumPy reference."""
 
@@ -174,10 +173,8 @@ class PrioritisedMachine(RuleBasedStateMachine):
         np.testing.assert_allclose(float(self.buffer.tree.total()), leaves.sum(), rtol=1e-5)
 
 
-PrioritisedMachine.TestCase.settings = settings(
-    max_examples=15, stateful_step_count=12, deadline=None
-)
-TestPrioritisedMachine = PrioritisedMachine.TestCase
+PrioritisedMachine.TestCase.settings = stateful_settings(max_examples=15, stateful_step_count=12)
+TestPrioritisedMachine = pytest.mark.stateful(PrioritisedMachine.TestCase)
 
 
 def _all_windows(buffer, ref: ReferenceRing):

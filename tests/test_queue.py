@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import settings
-from hypothesis.stateful import initialize, invariant, rule, RuleBasedStateMachine
+from hypothesis.stateful import initialize, invariant, rule
 
 from equibuffer._buffers._queue import Queue
+
+from .helpers import CountedMachine, stateful_settings
 
 
 def _example():
@@ -36,7 +37,7 @@ def _sample(queue):
     return queue.sample()
 
 
-class QueueMachine(RuleBasedStateMachine):
+class QueueMachine(CountedMachine):
     """Random adds and samples against a NumPy deque per row: FIFO order, no loss, and every
     refused add/sample raises without changing anything."""
 
@@ -97,8 +98,8 @@ class QueueMachine(RuleBasedStateMachine):
             assert int(self.queue.size()) == self.rows * len(self.ref[0])
 
 
-QueueMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=10, deadline=None)
-test_queue_matches_reference = QueueMachine.TestCase
+QueueMachine.TestCase.settings = stateful_settings(max_examples=15, stateful_step_count=10)
+test_queue_matches_reference = pytest.mark.stateful(QueueMachine.TestCase)
 
 
 @pytest.mark.parametrize("length", [6, 5])  # reads never wrap / reads that wrap the ring

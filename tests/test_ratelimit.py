@@ -8,10 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import equibuffer as eb
 from equibuffer._ratelimit import RateLimited
+
+from .helpers import count_sequence, stateful_settings
 
 
 EXAMPLE = {"x": jnp.float32(0)}
@@ -58,6 +60,12 @@ class Reference:
         self.credit -= b
 
 
+def _above_2(item):
+    # One function object for every buffer built: `cluster_fn` is static, so a new lambda
+    # per example would compile `_apply` again for every example.
+    return (item["x"] > 2).astype(jnp.int32)
+
+
 # (name, constructor, reference layout (rows, length, sequence_length, period, min_length)).
 # The last one can be sampled only when its count of steps is odd (max_length 3, windows of 3
 # starting at even steps), so the buffer's `can_sample()` turns false again after warm-up.
@@ -87,7 +95,7 @@ CONFIGS = {
             add_batch_size=2,
             num_clusters=2,
             cluster_capacity=4,
-            cluster_fn=lambda item: (item["x"] > 2).astype(jnp.int32),
+            cluster_fn=_above_2,
         ),
         (2, 4, 1, 1, 1),
     ),
@@ -128,7 +136,8 @@ SETUPS = [
 ]
 
 
-@settings(max_examples=20, deadline=None)
+@pytest.mark.stateful
+@stateful_settings(max_examples=20)
 @given(
     setup=st.sampled_from(SETUPS),
     ops=st.lists(
@@ -136,6 +145,7 @@ SETUPS = [
     ),
 )
 def test_counters_match_reference(setup, ops):
+    count_sequence("test_counters_match_reference")
     config, spi, extra = setup
     make, layout = CONFIGS[config]
     rows = layout[0]

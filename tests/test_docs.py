@@ -25,9 +25,10 @@ def _readme_blocks():
 
 def _docs_blocks():
     found = []
-    for page in sorted((ROOT / "docs").glob("*.md")):
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        name = page.relative_to(ROOT / "docs").as_posix()
         blocks = _python_blocks(page)
-        found += [pytest.param(b, page.name, id=f"{page.name}-{i}") for i, b in enumerate(blocks)]
+        found += [pytest.param(b, name, id=f"{name}-{i}") for i, b in enumerate(blocks)]
     return found
 
 
@@ -74,3 +75,34 @@ def test_docstring_examples_run(code):
 
 def test_there_are_docstring_examples():
     assert len(_docstring_examples()) >= 5
+
+
+def _public_names() -> list[str]:
+    """Every public name of `equibuffer`'s namespace (what `from equibuffer import *` gives)."""
+    names = eb.__all__ if hasattr(eb, "__all__") else dir(eb)
+    return sorted(
+        n for n in names if not n.startswith("_") and not inspect.ismodule(getattr(eb, n))
+    )
+
+
+def test_every_public_name_is_in_the_api_reference():
+    """Each public name has a `::: equibuffer.Name` entry in a page of `docs/api/` (rendered
+    from its docstring by mkdocstrings), so a new public name without docs fails here."""
+    documented = set()
+    for page in (ROOT / "docs" / "api").glob("*.md"):
+        documented |= set(re.findall(r"^::: equibuffer\.(\w+)\s*$", page.read_text(), flags=re.M))
+    assert _public_names(), "no public names found"
+    missing = [n for n in _public_names() if n not in documented]
+    assert not missing, f"public names missing from docs/api/*.md: {missing}"
+    unknown = sorted(documented - set(_public_names()))
+    assert not unknown, f"docs/api/*.md documents names equibuffer does not export: {unknown}"
+
+
+def test_every_page_is_in_the_nav():
+    """Every Markdown page under `docs/` is reachable from the site's navigation."""
+    nav = set(
+        re.findall(r"^\s*- (?:[^:\n]+: )?(\S+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    )
+    pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
+    assert pages - nav == set(), f"pages missing from mkdocs.yml's nav: {sorted(pages - nav)}"
+    assert nav - pages == set(), f"nav entries without a page: {sorted(nav - pages)}"

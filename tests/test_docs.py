@@ -15,8 +15,10 @@ ROOT = pathlib.Path(__file__).parent.parent
 
 
 def _python_blocks(page: pathlib.Path) -> list[str]:
-    """The fenced ```python blocks of a Markdown page, in order."""
-    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    """The fenced ```python blocks of a Markdown page, in order (dedented: a block may sit in
+    a list item)."""
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    return [textwrap.dedent(b) for b in blocks]
 
 
 def _readme_blocks():

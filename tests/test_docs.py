@@ -108,3 +108,69 @@ def test_every_page_is_in_the_nav():
     pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
     assert pages - nav == set(), f"pages missing from mkdocs.yml's nav: {sorted(pages - nav)}"
     assert nav - pages == set(), f"nav entries without a page: {sorted(nav - pages)}"
+
+
+def _message_templates() -> list[str]:
+    """Every string the package builds (literals and f-strings, with a formatted value, or a
+    local variable holding one, written `{}`): the error messages among them."""
+    import ast
+
+    def template(node, env):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.JoinedStr):
+            return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            left, right = template(node.left, env), template(node.right, env)
+            if left is None and right is None:
+                return None
+            return (left if left is not None else "{}") + (right if right is not None else "{}")
+        if isinstance(node, ast.Name):
+            return env.get(node.id)
+        return None
+
+    found = []
+    for path in sorted((ROOT / "equibuffer").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        scopes = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)] + [tree]
+        for scope in scopes:
+            env: dict[str, str] = {}
+            for node in ast.walk(scope):
+                if (
+                    isinstance(node, ast.Assign)
+                    and len(node.targets) == 1
+                    and isinstance(node.targets[0], ast.Name)
+                ):
+                    value = template(node.value, env)
+                    if value is not None:
+                        env[node.targets[0].id] = value
+                if isinstance(node, ast.Constant | ast.JoinedStr | ast.BinOp):
+                    value = template(node, env)
+                    if value is not None:
+                        found.append(value)
+    return found
+
+
+def _quoted_messages():
+    """The ```text blocks of docs/troubleshooting.md: one error message each, with
+    `{placeholders}` where the library formats a value in."""
+    page = (ROOT / "docs" / "troubleshooting.md").read_text()
+    return re.findall(r"```text\n(.*?)```", page, flags=re.S)
+
+
+def test_troubleshooting_quotes_the_library_messages():
+    """Every message quoted in docs/troubleshooting.md is one the library builds, word for
+    word (whitespace aside; a `{placeholder}` stands for any formatted value): a reworded
+    message fails here until the page follows it."""
+    templates = [" ".join(t.split()) for t in _message_templates()]
+    quotes = _quoted_messages()
+    assert len(quotes) >= 20
+    stale = []
+    for quote in quotes:
+        pieces = re.split(r"\{[^{}]*\}", " ".join(quote.split()))
+        pattern = ".*?".join(re.escape(p) for p in pieces)
+        if not any(re.fullmatch(pattern, t, flags=re.S) for t in templates):
+            stale.append(quote.strip())
+    assert not stale, "quoted in docs/troubleshooting.md but not built by the library:\n" + (
+        "\n".join(stale)
+    )

@@ -186,3 +186,25 @@ def test_troubleshooting_quotes_the_library_messages():
     assert not stale, "quoted in docs/troubleshooting.md but not built by the library:\n" + (
         "\n".join(stale)
     )
+
+
+def test_benchmark_tables_render(tmp_path):
+    """docs/gen_bench.py (the site's hook) turns results JSON into Markdown tables, and says
+    how to produce results when there are none."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("gen_bench", ROOT / "docs" / "gen_bench.py")
+    assert spec is not None and spec.loader is not None
+    gen_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_bench)
+    assert "--json benchmarks/results/" in gen_bench.render(tmp_path)
+    rows = [{"op": "add", "fbx/ours": "2.00", "_raw": [1.0]}, {"op": "a|b", "fbx/ours": "0.90"}]
+    (tmp_path / "core.json").write_text(json.dumps({"jax": "0.12", "ops": rows}))
+    out = gen_bench.render(tmp_path)
+    assert "- jax: `0.12`" in out and "#### ops" in out
+    assert "| op | fbx/ours |\n| --- | --- |\n| add | 2.00 |\n| a\\|b | 0.90 |" in out
+    page = "# Benchmarks\n\n" + gen_bench.MARKER + "\n"
+    assert gen_bench.on_page_markdown(page, None, None, None) == page.replace(
+        gen_bench.MARKER, gen_bench.render()
+    )

@@ -83,6 +83,16 @@ def typecheck(session: nox.Session) -> None:
     session.run("pyright")
 
 
+@nox.session(python="3.12")
+def docs(session: nox.Session) -> None:
+    """The documentation site (mkdocs-material + mkdocstrings), built strictly into `site/`.
+
+    Any further arguments go to `mkdocs build` (e.g. `nox -s docs -- --site-dir /tmp/site`).
+    """
+    install(session, "docs")
+    session.run("mkdocs", "build", "--strict", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
+
+
 @nox.session(python=HERE)
 def demo(session: nox.Session) -> None:
     """The README's demo: a DQN learning CartPole with a TransitionBuffer in its train state."""

@@ -15,8 +15,10 @@ ROOT = pathlib.Path(__file__).parent.parent
 
 
 def _python_blocks(page: pathlib.Path) -> list[str]:
-    """The fenced ```python blocks of a Markdown page, in order."""
-    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    """The fenced ```python blocks of a Markdown page, in order (dedented: a block may sit in
+    a list item)."""
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    return [textwrap.dedent(b) for b in blocks]
 
 
 def _readme_blocks():
@@ -25,9 +27,10 @@ def _readme_blocks():
 
 def _docs_blocks():
     found = []
-    for page in sorted((ROOT / "docs").glob("*.md")):
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        name = page.relative_to(ROOT / "docs").as_posix()
         blocks = _python_blocks(page)
-        found += [pytest.param(b, page.name, id=f"{page.name}-{i}") for i, b in enumerate(blocks)]
+        found += [pytest.param(b, name, id=f"{name}-{i}") for i, b in enumerate(blocks)]
     return found
 
 
@@ -59,9 +62,21 @@ def test_readme_python_blocks_run(code, capsys):
         assert capsys.readouterr().out.strip() == "1.0"
 
 
+# A block that starts with this comment uses the size arguments named as in Flashbax
+# (`max_length_time_axis`, `min_length_time_axis` per row; `max_length`, `min_length` as totals
+# on the transition and item buffers): it runs once the constructors take those names.
+FLASHBAX_NAMES = "# needs Flashbax's size names"
+
+
+def _has_flashbax_names() -> bool:
+    return "max_length_time_axis" in inspect.signature(eb.TrajectoryBuffer.__init__).parameters
+
+
 @pytest.mark.parametrize(("code", "page"), _docs_blocks())
 def test_docs_python_blocks_run(code, page):
     """Each block of a page runs on its own (a page's blocks must be self-contained)."""
+    if code.startswith(FLASHBAX_NAMES) and not _has_flashbax_names():
+        pytest.skip("needs the Flashbax size names (max_length_time_axis, ...), not in yet")
     exec(compile(code, f"docs/{page}", "exec"), {})
 
 
@@ -74,3 +89,123 @@ def test_docstring_examples_run(code):
 
 def test_there_are_docstring_examples():
     assert len(_docstring_examples()) >= 5
+
+
+def _public_names() -> list[str]:
+    """Every public name of `equibuffer`'s namespace (what `from equibuffer import *` gives)."""
+    names = eb.__all__ if hasattr(eb, "__all__") else dir(eb)
+    return sorted(
+        n for n in names if not n.startswith("_") and not inspect.ismodule(getattr(eb, n))
+    )
+
+
+def test_every_public_name_is_in_the_api_reference():
+    """Each public name has a `::: equibuffer.Name` entry in a page of `docs/api/` (rendered
+    from its docstring by mkdocstrings), so a new public name without docs fails here."""
+    documented = set()
+    for page in (ROOT / "docs" / "api").glob("*.md"):
+        documented |= set(re.findall(r"^::: equibuffer\.(\w+)\s*$", page.read_text(), flags=re.M))
+    assert _public_names(), "no public names found"
+    missing = [n for n in _public_names() if n not in documented]
+    assert not missing, f"public names missing from docs/api/*.md: {missing}"
+    unknown = sorted(documented - set(_public_names()))
+    assert not unknown, f"docs/api/*.md documents names equibuffer does not export: {unknown}"
+
+
+def test_every_page_is_in_the_nav():
+    """Every Markdown page under `docs/` is reachable from the site's navigation."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    section = re.search(r"^nav:\n((?:[ \t]+.*\n?)*)", config, flags=re.M)
+    assert section, "mkdocs.yml has no nav"
+    nav = set(re.findall(r"^\s*- (?:[^:\n]+: )?(\S+\.md)\s*$", section.group(1), flags=re.M))
+    pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
+    assert pages - nav == set(), f"pages missing from mkdocs.yml's nav: {sorted(pages - nav)}"
+    assert nav - pages == set(), f"nav entries without a page: {sorted(nav - pages)}"
+
+
+def _message_templates() -> list[str]:
+    """Every string the package builds (literals and f-strings, with a formatted value, or a
+    local variable holding one, written `{}`): the error messages among them."""
+    import ast
+
+    def template(node, env):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.JoinedStr):
+            return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            left, right = template(node.left, env), template(node.right, env)
+            if left is None and right is None:
+                return None
+            return (left if left is not None else "{}") + (right if right is not None else "{}")
+        if isinstance(node, ast.Name):
+            return env.get(node.id)
+        return None
+
+    found = []
+    for path in sorted((ROOT / "equibuffer").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        scopes = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)] + [tree]
+        for scope in scopes:
+            env: dict[str, str] = {}
+            for node in ast.walk(scope):
+                if (
+                    isinstance(node, ast.Assign)
+                    and len(node.targets) == 1
+                    and isinstance(node.targets[0], ast.Name)
+                ):
+                    value = template(node.value, env)
+                    if value is not None:
+                        env[node.targets[0].id] = value
+                if isinstance(node, ast.Constant | ast.JoinedStr | ast.BinOp):
+                    value = template(node, env)
+                    if value is not None:
+                        found.append(value)
+    return found
+
+
+def _quoted_messages():
+    """The ```text blocks of docs/troubleshooting.md: one error message each, with
+    `{placeholders}` where the library formats a value in."""
+    page = (ROOT / "docs" / "troubleshooting.md").read_text()
+    return re.findall(r"```text\n(.*?)```", page, flags=re.S)
+
+
+def test_troubleshooting_quotes_the_library_messages():
+    """Every message quoted in docs/troubleshooting.md is one the library builds, word for
+    word (whitespace aside; a `{placeholder}` stands for any formatted value): a reworded
+    message fails here until the page follows it."""
+    templates = [" ".join(t.split()) for t in _message_templates()]
+    quotes = _quoted_messages()
+    assert len(quotes) >= 20
+    stale = []
+    for quote in quotes:
+        pieces = re.split(r"\{[^{}]*\}", " ".join(quote.split()))
+        pattern = ".*?".join(re.escape(p) for p in pieces)
+        if not any(re.fullmatch(pattern, t, flags=re.S) for t in templates):
+            stale.append(quote.strip())
+    assert not stale, "quoted in docs/troubleshooting.md but not built by the library:\n" + (
+        "\n".join(stale)
+    )
+
+
+def test_benchmark_tables_render(tmp_path):
+    """docs/gen_bench.py (the site's hook) turns results JSON into Markdown tables, and says
+    how to produce results when there are none."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("gen_bench", ROOT / "docs" / "gen_bench.py")
+    assert spec is not None and spec.loader is not None
+    gen_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_bench)
+    assert "--json benchmarks/results/" in gen_bench.render(tmp_path)
+    rows = [{"op": "add", "fbx/ours": "2.00", "_raw": [1.0]}, {"op": "a|b", "fbx/ours": "0.90"}]
+    (tmp_path / "core.json").write_text(json.dumps({"jax": "0.12", "ops": rows}))
+    out = gen_bench.render(tmp_path)
+    assert "- jax: `0.12`" in out and "#### ops" in out
+    assert "| op | fbx/ours |\n| --- | --- |\n| add | 2.00 |\n| a\\|b | 0.90 |" in out
+    page = "# Benchmarks\n\n" + gen_bench.MARKER + "\n"
+    assert gen_bench.on_page_markdown(page, None, None, None) == page.replace(
+        gen_bench.MARKER, gen_bench.render()
+    )

@@ -32,8 +32,8 @@ import zarr
 import zarr.codecs
 
 import equibuffer as eb
-from equibuffer import _archive
-from equibuffer._archive import Archive, Compression, ring_holding
+from equibuffer._archive import _format, _store, Archive, ring_holding
+from equibuffer._archive._format import Compression
 
 from ._timing import fmt_time, table
 
@@ -267,7 +267,7 @@ def _threads(count: int | None) -> Iterator[None]:
         return
     with (
         concurrent.futures.ThreadPoolExecutor(count) as pool,
-        mock.patch.object(_archive, "_POOL", pool),
+        mock.patch.object(_store, "_POOL", pool),
     ):
         yield
 
@@ -278,12 +278,12 @@ def _zstd_level(level: int | None) -> Iterator[None]:
     if level is None:
         yield
         return
-    default = _archive._codecs
+    default = _format.compressor
 
     def codecs(c: str) -> Any:
         return zarr.codecs.ZstdCodec(level=level) if c == "zstd" else default(c)
 
-    with mock.patch.object(_archive, "_codecs", codecs):
+    with mock.patch.object(_format, "compressor", codecs):
         yield
 
 
@@ -295,7 +295,7 @@ def read_variants(folder: str, dtype: str, steps: int, block: int, repeats: int)
     blocks = per_row // block
     obs = observations(dtype, block)
     payload = blocks * block * ROWS * obs[0, 0].nbytes
-    default_ss = _archive._pow2_floor(_archive._SHARD_BYTES / (ROWS * obs[0, 0].nbytes))
+    default_ss = _format.pow2_floor(_format.SHARD_BYTES / (ROWS * obs[0, 0].nbytes))
     # (name, zstd level, archive options, threads): None means the default.
     variants: list[tuple[str, int | None, dict, int | None]] = [
         ("zstd 1, 16 MiB shards (default)", None, {}, None),

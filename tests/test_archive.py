@@ -30,13 +30,13 @@ import zarr.storage
 
 import equibuffer as eb
 from equibuffer._archive import (
-    _Objects,
     Archive,
     ArchiveLockedError,
     ring_holding,
     StepsLostError,
     StepsLostWarning,
 )
+from equibuffer._archive._store import Objects
 
 from .archive_writer import example, MAX_LENGTH, ROWS, values
 from .helpers import chi_square_pvalue
@@ -532,7 +532,7 @@ def test_a_failed_background_write_commits_nothing_after_it(tmp_path, monkeypatc
     archive = Archive(str(tmp_path / "run.zarr"), buffer, chunk_steps=4, shard_steps=8)
     archive.progress = False
     assert archive.write(buffer) == 5
-    real_put = _Objects.put
+    real_put = Objects.put
     go = threading.Event()
 
     def failing_put(self, key, parts):
@@ -541,7 +541,7 @@ def test_a_failed_background_write_commits_nothing_after_it(tmp_path, monkeypatc
             raise OSError("no space left on device")
         return real_put(self, key, parts)
 
-    monkeypatch.setattr(_Objects, "put", failing_put)
+    monkeypatch.setattr(Objects, "put", failing_put)
     buffer = add(buffer, 3)
     first = archive.write_async(buffer)
     buffer = add(buffer, 4)
@@ -557,7 +557,7 @@ def test_a_failed_background_write_commits_nothing_after_it(tmp_path, monkeypatc
     archive.flush()  # reported once
     assert len(archive) == archive.source_steps == 5  # the last commit
     assert len(Archive(str(tmp_path / "run.zarr"), mode="r")) == 5
-    monkeypatch.setattr(_Objects, "put", real_put)
+    monkeypatch.setattr(Objects, "put", real_put)
     assert archive.write(buffer) == 7  # what the ring still holds, written now
     archive.close()
     assert_tree_equal(Archive(str(tmp_path / "run.zarr"), mode="r").read(), expected(0, 12))
@@ -608,7 +608,7 @@ def test_fsync_round_trip_and_commit_order(tmp_path, monkeypatch, shard_steps):
             cs, ss = 4, shard_steps or 4  # unsharded: one object per chunk of 4 steps
             keys = [
                 chunks.key(r, s) if not shard_steps else chunks.shard_key(s)
-                for chunks in archive._chunks
+                for chunks in archive._reader.io or []
                 for s in range(old // ss, -(-total // ss))
                 for r in (range(ROWS) if not shard_steps else [0])
             ]

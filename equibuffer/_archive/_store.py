@@ -157,6 +157,11 @@ def s3_options(options: dict[str, Any], backend: str) -> dict[str, Any]:
         else:
             rest[given] = value
     if backend == "obstore":
+        # An `http://` endpoint is meant as written (as s3fs takes it): obstore refuses one
+        # unless its client allows plain HTTP.
+        if str(canonical.get("endpoint", "")).startswith("http://"):
+            client = rest.setdefault("client_options", {})
+            client.setdefault("allow_http", True)
         return {**canonical, **rest}
     out = {_S3_FSSPEC[k]: v for k, v in canonical.items() if k != "region"}
     if "region" in canonical:

@@ -9,6 +9,7 @@ compression ratio (and speed) of each codec on realistic, compressible frames.
     python -m benchmarks.bench_archive            # 2**17 steps (16384 per row)
     python -m benchmarks.bench_archive --quick    # 2**14 steps
     python -m benchmarks.bench_archive --steps 1000000   # the issue's full size (12 GB float32)
+    python -m benchmarks.bench_archive --zarr-path --steps 65536   # own I/O against zarr's path
 
 Page caches are not dropped (no root needed): reads may be served from memory, for the disk
 figure and for both libraries alike. Timings are noisy on a shared machine; compare ratios.
@@ -422,6 +423,73 @@ def background_writes(folder: str, dtype: str, block: int, writes: int, train_ms
     return out
 
 
+FUSED = "zarr.core.codec_pipeline.FusedCodecPipeline"
+
+
+def _sample_rate(path: str, batches: int) -> float:
+    """Windows per second of `sample()` (batches of 256 windows of `SEQ` steps) from a freshly
+    opened archive."""
+    reader = Archive(path, mode="r", progress=False)
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        reader.sample(rng, 256, SEQ)
+    return 256 * batches / (time.perf_counter() - t0)
+
+
+def zarr_paths(folder: str, dtype: str, steps: int, block: int, repeats: int) -> list[dict]:
+    """The archive's own chunk and shard I/O against zarr's own path, the tested reference
+    (`Archive._direct_io = False`: zarr's `resize`, array assignment and
+    `update_attributes` for writes, its orthogonal selection for reads, one slice per
+    window for samples), with zarr's default codec pipeline and with its opt-in
+    `FusedCodecPipeline`: long writes (blocks of `block` steps), writes of 16 steps, a
+    whole read and random windows, the variants interleaved in each of `repeats` rounds."""
+    obs = observations(dtype, block)
+    blocks = max(1, steps // ROWS // block)
+    payload = blocks * block * ROWS * obs[0, 0].nbytes
+    small = obs[:, : min(block, 256)]
+    variants: list[tuple[str, bool, str | None]] = [
+        ("own I/O (the default)", True, None),
+        ("zarr's path", False, None),
+        ("zarr's path, FusedCodecPipeline", False, FUSED),
+    ]
+    got: dict[str, list[tuple[float, float, float, float]]] = {v[0]: [] for v in variants}
+    for _ in range(repeats):
+        for name, direct, pipeline in variants:
+            config = (
+                zarr.config.set({"codec_pipeline.path": pipeline})
+                if pipeline
+                else contextlib.nullcontext()
+            )
+            path = os.path.join(folder, "paths.zarr")
+            with config, mock.patch.object(Archive, "_direct_io", direct):
+                wall, _, _ = _write_archive(path, obs, blocks)
+                read, _ = _read_all(path, payload)
+                rate = _sample_rate(path, 4)
+                small_path = os.path.join(folder, "paths-small.zarr")
+                small_wall, _, _ = _write_archive(small_path, small, 1, 16)
+            shutil.rmtree(path)
+            shutil.rmtree(small_path)
+            got[name].append(
+                (payload / wall, small_wall / (small.shape[1] // 16), payload / read, rate)
+            )
+    out = []
+    own = [float(np.median([g[i] for g in got[variants[0][0]]])) for i in range(4)]
+    for name, *_ in variants:
+        med = [float(np.median([g[i] for g in got[name]])) for i in range(4)]
+        out.append(
+            {
+                "dtype": dtype,
+                "path": name,
+                "write MB/s": f"{med[0] / 1e6:.0f} ({med[0] / own[0]:.2f}x)",
+                "ms per 16-step write": f"{med[1] * 1e3:.1f} ({own[1] / med[1]:.2f}x)",
+                "read MB/s": f"{med[2] / 1e6:.0f} ({med[2] / own[2]:.2f}x)",
+                "sample() windows/s": f"{med[3]:.0f} ({med[3] / own[3]:.2f}x)",
+            }
+        )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -440,6 +508,11 @@ def main() -> None:
         "--small-writes", action="store_true", help="only the cost of writing 1, 16, 256 steps"
     )
     parser.add_argument(
+        "--zarr-path",
+        action="store_true",
+        help="only the archive's own chunk I/O against zarr's own path (--repeats rounds)",
+    )
+    parser.add_argument(
         "--background",
         action="store_true",
         help="only write against write_async in a loop with a training phase between writes",
@@ -453,6 +526,10 @@ def main() -> None:
         if args.background:
             for dtype in args.dtypes.split(","):
                 print(table(background_writes(folder, dtype, block, 8, 200.0)), flush=True)
+            return
+        if args.zarr_path:
+            for dtype in args.dtypes.split(","):
+                print(table(zarr_paths(folder, dtype, steps, block, args.repeats)), flush=True)
             return
         if args.variants or args.small_writes:
             for dtype in args.dtypes.split(","):

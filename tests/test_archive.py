@@ -815,6 +815,13 @@ def test_without_obstore_a_url_is_read_through_fsspec_and_never_written(monkeypa
             Archive(url, mode="r", storage_options=options)
     assert seen == [(url, FSSPEC_SPELLING, True)] * 2
 
+    def no_fsspec(*args: Any, **kwargs: Any) -> Any:
+        raise ImportError("No module named 's3fs'")
+
+    monkeypatch.setattr(zarr.storage.FsspecStore, "from_url", no_fsspec)
+    with pytest.raises(ImportError, match="needs obstore .* or fsspec with the filesystem"):
+        Archive(url, mode="r")
+
 
 def test_storage_options_only_apply_to_urls(tmp_path):
     with pytest.raises(ValueError, match="`storage_options` apply to a URL .* not to the local"):

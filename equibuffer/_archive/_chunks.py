@@ -8,6 +8,7 @@ path is slower at each (measured in `benchmarks/README.md`) and is kept as the r
 """
 
 import functools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -150,30 +151,52 @@ class Shards(Chunks):
         return self.parse_index(shard, data[-self.index_bytes :]), data
 
     def get_chunks(self, shard: int, which: Sequence[tuple[int, int]], complete: bool) -> list[Any]:
-        """The encoded chunks `(row, chunk in the shard)` of `which` (None: not stored), from
-        one version of the shard: for a `complete` shard (never replaced) the index (unless
-        cached) and those bytes only, by ranged reads; else the whole object, once."""
+        """The encoded chunks `(row, chunk in the shard)` of `which` (None: not stored),
+        reading only the index (unless cached) and those bytes, from one version of the
+        shard: one open file on a local directory; on a store, where ranged reads are
+        separate requests, ranged reads only for a `complete` shard (never replaced), else
+        the whole object, once."""
+        key = self.shard_key(shard)
         none: list[Any] = [None] * len(which)
-        if complete:
-            index = self.indexes.get(shard)
+        index = self.indexes.get(shard)
+        if self.objects.root is not None:
+            try:
+                fd = os.open(os.path.join(self.objects.root, key), os.O_RDONLY)
+            except FileNotFoundError:
+                return none
+            try:
+                if index is None:
+                    size = os.fstat(fd).st_size
+                    index = self.parse_index(
+                        shard, os.pread(fd, self.index_bytes, size - self.index_bytes)
+                    )
+                spans = [(int(index[r, j, 0]), int(index[r, j, 1])) for r, j in which]
+                out = [None if o == EMPTY else os.pread(fd, n, o) for o, n in spans]
+            finally:
+                os.close(fd)
+        elif complete:
             if index is None:
-                got = self.objects.get_ranges(self.shard_key(shard), [(-self.index_bytes, 0)])
+                got = self.objects.get_ranges(key, [(-self.index_bytes, 0)])
                 if got is None:
                     return none
-                index = self.indexes[shard] = self.parse_index(shard, got[0])
+                index = self.parse_index(shard, got[0])
             spans = [(int(index[r, j, 0]), int(index[r, j, 1])) for r, j in which]
             ranges = [(o, o + n) for o, n in spans if o != EMPTY]
-            got = self.objects.get_ranges(self.shard_key(shard), ranges) if ranges else []
+            got = self.objects.get_ranges(key, ranges) if ranges else []
             if got is None:
                 return none
             data = iter(got)
-            return [None if o == EMPTY else next(data) for o, _ in spans]
-        whole = self.get_shard(shard)
-        if whole is None:
-            return none
-        index, blob = whole
-        spans = [(int(index[r, j, 0]), int(index[r, j, 1])) for r, j in which]
-        return [None if o == EMPTY else blob[o : o + n] for o, n in spans]
+            out = [None if o == EMPTY else next(data) for o, _ in spans]
+        else:
+            whole = self.get_shard(shard)
+            if whole is None:
+                return none
+            index, blob = whole
+            spans = [(int(index[r, j, 0]), int(index[r, j, 1])) for r, j in which]
+            out = [None if o == EMPTY else blob[o : o + n] for o, n in spans]
+        if complete:
+            self.indexes[shard] = index
+        return out
 
     def put_shard(self, shard: int, chunks: dict[tuple[int, int], Any]) -> None:
         """Replace one shard atomically by the encoded `chunks` keyed `(row, chunk)`."""

@@ -197,9 +197,14 @@ class Reader:
         return outs
 
     def _read_zarr(self, start: int, stop: int, rows: Any, outs: list[np.ndarray]) -> None:
-        """zarr's own path: an orthogonal selection of each array."""
+        """zarr's own path: a slice of each array (an orthogonal selection for a list of
+        rows)."""
         for leaf, out in zip(self.layout.leaves, outs, strict=True):
-            out[...] = self.arrays[leaf.name].oindex[rows, start:stop]
+            array = self.arrays[leaf.name]
+            if isinstance(rows, slice):
+                out[...] = array[rows, start:stop]
+            else:
+                out[...] = array.oindex[rows, start:stop]
 
     def _read_chunks(
         self, io: list[Chunks], start: int, stop: int, row_ids: list[int], outs: list

@@ -22,18 +22,18 @@ from ._store import Objects
 EMPTY = (1 << 64) - 1  # the shard index's mark of a chunk that is not stored
 
 
-class Chunks:
-    """Direct I/O of the chunks of one unsharded leaf array: key `name/c.row.chunk.0...` (or
-    with the array's own separator)."""
+class LeafIO:
+    """The archive's own I/O of one leaf array: the encoding of its chunks (`Chunks` stores
+    each chunk as an object, `Shards` packs them into shards). Abstract: the two are final
+    and set every field."""
 
-    def __init__(self, objects: Objects, leaf: Leaf, chunk_steps: int, codec: Any, separator: str):
-        self.objects = objects
-        self.name = leaf.name
-        self.shape = (chunk_steps, *leaf.shape)
-        self.dtype = np.dtype(leaf.stored).newbyteorder("<")
-        self.sep = separator
-        self.tail = f"{separator}0" * len(leaf.shape)
-        self.codec = codec
+    objects: Objects
+    name: str
+    shape: tuple[int, ...]  # one chunk: `(chunk_steps, *leaf)`
+    dtype: np.dtype
+    sep: str
+    tail: str
+    codec: Any
 
     def key(self, row: int, chunk: int) -> str:
         sep = self.sep
@@ -68,6 +68,24 @@ class Chunks:
         x = np.ascontiguousarray(x, self.dtype)
         return memoryview(x).cast("B") if self.codec is None else self.codec.encode(x)
 
+
+def _fields(io: LeafIO, objects: Objects, leaf: Leaf, chunk_steps: int, codec: Any, sep: str):
+    io.objects = objects
+    io.name = leaf.name
+    io.shape = (chunk_steps, *leaf.shape)
+    io.dtype = np.dtype(leaf.stored).newbyteorder("<")
+    io.sep = sep
+    io.tail = f"{sep}0" * len(leaf.shape)
+    io.codec = codec
+
+
+class Chunks(LeafIO):
+    """Direct I/O of the chunks of one unsharded leaf array: key `name/c.row.chunk.0...` (or
+    with the array's own separator), one object each."""
+
+    def __init__(self, objects: Objects, leaf: Leaf, chunk_steps: int, codec: Any, separator: str):
+        _fields(self, objects, leaf, chunk_steps, codec, separator)
+
     def data(self, row: int, chunk: int) -> Any:
         """The encoded chunk, or None if it was never written."""
         return self.objects.get(self.key(row, chunk))
@@ -101,7 +119,7 @@ def morton_ranks(shape: tuple[int, ...]) -> np.ndarray:
     return ranks.reshape(shape)
 
 
-class Shards(Chunks):
+class Shards(LeafIO):
     """Direct I/O of one leaf array stored in shards `(rows, shard_steps, *leaf)` of chunks
     `(1, chunk_steps, *leaf)`, byte for byte zarr's sharding codec: the shard object
     `name/c.0.shard.0...` holds the encoded chunks back to back in Morton order, then the
@@ -122,7 +140,7 @@ class Shards(Chunks):
         codec: Any,
         separator: str,
     ):
-        super().__init__(objects, leaf, chunk_steps, codec, separator)
+        _fields(self, objects, leaf, chunk_steps, codec, separator)
         self.rows = rows
         self.per_shard = shard_steps // chunk_steps  # chunks per row in a shard
         self.index_bytes = 16 * rows * self.per_shard + 4
@@ -212,7 +230,7 @@ class Shards(Chunks):
         self.objects.put(self.shard_key(shard), parts)
 
 
-def direct_io(array: Any, leaf: Leaf, layout: Layout, objects: Objects) -> Chunks | None:
+def direct_io(array: Any, leaf: Leaf, layout: Layout, objects: Objects) -> LeafIO | None:
     """The archive's own I/O of a leaf's array (`Shards` when sharded), or None when the
     array's codecs or chunks are not the ones its layout describes (changed by another tool:
     zarr's own path reads and writes it then)."""

@@ -17,7 +17,7 @@ from zarr.abc.store import Store
 
 from .._checks import check_positive_int
 from .._ring import RingStorage
-from ._chunks import Chunks, direct_io, EMPTY, Shards
+from ._chunks import Chunks, direct_io, EMPTY, LeafIO, Shards
 from ._format import ATTR, Commit, Layout, schema_diff, schema_of, storage_of, TWO_32
 from ._store import Objects, read_json, run_all
 
@@ -116,7 +116,7 @@ class Reader:
             direct_io(self.arrays[leaf.name], leaf, self.layout, self.objects)
             for leaf in self.layout.leaves
         ]
-        self.io: list[Chunks] | None = None
+        self.io: list[LeafIO] | None = None
         if self.direct and all(x is not None for x in io):
             self.io = [x for x in io if x is not None]
 
@@ -207,7 +207,7 @@ class Reader:
                 out[...] = array.oindex[rows, start:stop]
 
     def _read_chunks(
-        self, io: list[Chunks], start: int, stop: int, row_ids: list[int], outs: list
+        self, io: list[LeafIO], start: int, stop: int, row_ids: list[int], outs: list
     ) -> None:
         """Unsharded: get and decode every touched chunk concurrently, straight into place."""
         cs = self.layout.chunk_steps
@@ -228,7 +228,7 @@ class Reader:
             pass
 
     def _read_shards(
-        self, io: list[Chunks], start: int, stop: int, row_ids: list[int], outs: list
+        self, io: list[LeafIO], start: int, stop: int, row_ids: list[int], outs: list
     ) -> None:
         """Sharded: one task per (leaf, shard, row) reads that row's chunks of the shard
         (the whole shard once, when all rows are read) and decodes them into place."""

@@ -10,7 +10,7 @@ import numpy as np
 from jaxtyping import Array, Key, PyTree, Shaped, UInt32
 
 from .._checks import check_positive_int
-from ._chunks import Chunks, Shards
+from ._chunks import Chunks, LeafIO, Shards
 from ._reader import Reader
 from ._store import run_all
 
@@ -144,7 +144,7 @@ def _gather_zarr(reader: Reader, rows: np.ndarray, starts: np.ndarray, seq: int)
 
 
 def _decode_chunks(
-    io: list[Chunks], row_of: np.ndarray, chunk_of: np.ndarray, stacks: list
+    io: list[LeafIO], row_of: np.ndarray, chunk_of: np.ndarray, stacks: list
 ) -> None:
     """Unsharded: chunk `(row_of[k], chunk_of[k])` of every leaf into `stacks[leaf][k]`,
     one task per chunk."""
@@ -164,7 +164,7 @@ def _decode_chunks(
 
 
 def _decode_shards(
-    reader: Reader, io: list[Chunks], row_of: np.ndarray, chunk_of: np.ndarray, stacks: list
+    reader: Reader, io: list[LeafIO], row_of: np.ndarray, chunk_of: np.ndarray, stacks: list
 ) -> None:
     """Sharded: one task per (leaf, shard) touched reads the index (cached for complete
     shards) and only the chunks needed, each once, into `stacks[leaf][k]`."""

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import zarr
 
-from ._chunks import Chunks, EMPTY, Shards
+from ._chunks import Chunks, EMPTY, LeafIO, Shards
 from ._format import ATTR, Commit, document, INT64_MAX, OnLost, schema_diff, schema_of, storage_of
 from ._reader import Reader
 from ._store import fsync_path, read_json, run_all, WriterLock
@@ -305,7 +305,7 @@ class Writer:
                 bar.update(done)
 
     def _append_chunks(
-        self, io: list[Chunks], host: list[np.ndarray], old: int, new: int, tail: dict | None
+        self, io: list[LeafIO], host: list[np.ndarray], old: int, new: int, tail: dict | None
     ) -> None:
         """Unsharded: encode and put every chunk that steps `[old, new)` touch, concurrently.
         A chunk already holding committed steps is completed and replaced whole: its steps
@@ -321,9 +321,12 @@ class Writer:
         ]
         keep: dict[tuple[int, int], np.ndarray] = {}
 
+        chunks_of: list[Any] = io
+
         def put(task: tuple[int, int, int]) -> int:
             li, r, c = task
-            chunks, block = io[li], host[li]
+            chunks: Chunks = chunks_of[li]
+            block = host[li]
             a, b = max(old, c * cs), min(new, (c + 1) * cs)
             if a == c * cs and b == (c + 1) * cs:
                 x = block[r, a - old : b - old]
@@ -343,7 +346,7 @@ class Writer:
         self.next_tail = (new, keep) if new % cs else None
 
     def _append_shards(
-        self, io: list[Chunks], host: list[np.ndarray], old: int, new: int, tail: Any
+        self, io: list[LeafIO], host: list[np.ndarray], old: int, new: int, tail: Any
     ) -> None:
         """Sharded: encode the chunks that steps `[old, new)` touch concurrently (one task per
         leaf, shard and row) and write each shard once, whole, as soon as its chunks are

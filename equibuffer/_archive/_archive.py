@@ -5,11 +5,12 @@ assembles the pieces, one per concern: the format (`_format`), the store and its
 
 import concurrent.futures
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any, Literal, TypeVar
 
 import numpy as np
 from jaxtyping import PyTree
+from zarr.abc.store import Store
 
 from ._format import (
     ATTR,
@@ -18,6 +19,7 @@ from ._format import (
     create,
     Layout,
     OnLost,
+    Rows,
     schema_diff,
     schema_of,
     storage_of,
@@ -151,7 +153,7 @@ class Archive:
 
     def __init__(
         self,
-        store: str | os.PathLike | Any,
+        store: str | os.PathLike | Store,
         like: BufferLike | None = None,
         *,
         mode: Literal["a", "r"] = "a",
@@ -648,7 +650,7 @@ class Archive:
     # ------------------------------------------------------------------------- reading
 
     def read(
-        self, start: int = 0, stop: int | None = None, *, rows: Any = None
+        self, start: int = 0, stop: int | None = None, *, rows: Rows = None
     ) -> PyTree[np.ndarray]:
         """Time steps `[start, stop)` (negative counts from the end, like Python) of the
         selected `rows` (None: all; an int sequence; or a slice), as NumPy arrays
@@ -681,7 +683,7 @@ class Archive:
         *,
         start: int = 0,
         stop: int | None = None,
-        rows: Any = None,
+        rows: Rows = None,
     ) -> Iterator[tuple[int, PyTree[np.ndarray]]]:
         """Iterate over `[start, stop)` in blocks of `steps` time steps (default
         `block_steps`: about 32 MiB, or a shard), yielding `(index of the block's first step,
@@ -705,7 +707,7 @@ class Archive:
         return self._reader.iter(steps, start, stop, rows)
 
     def load(
-        self, buffer: B, start: int | None = None, stop: int | None = None, *, rows: Any = None
+        self, buffer: B, start: int | None = None, stop: int | None = None, *, rows: Rows = None
     ) -> B:
         """Return `buffer` holding archive steps `[start, stop)` (default: the newest that fit
         in its ring, within the last contiguous segment), with its counters set as if the
@@ -765,7 +767,7 @@ class Archive:
         sequence_length: int,
         *,
         period: int = 1,
-        rows: Sequence[int] | None = None,
+        rows: Rows = None,
     ) -> ArchiveSample:
         """Draw `batch_size` windows of `sequence_length` consecutive steps straight from the
         archive, reading each touched chunk once (concurrently).

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Key, PyTree, Shaped, UInt32
+from jaxtyping import Array, Int, Key, PyTree, Shaped, UInt32
 
 from .._checks import check_positive_int
 from ._chunks import Chunks, LeafIO, Shards
@@ -38,8 +38,8 @@ class ArchiveSample(NamedTuple):
     """
 
     experience: PyTree[np.ndarray]
-    rows: np.ndarray
-    starts: np.ndarray
+    rows: Int[np.ndarray, " batch"]
+    starts: Int[np.ndarray, " batch"]
 
 
 Seed = Key[Array, ""] | UInt32[Array, "2"] | np.random.Generator | int | np.integer
@@ -83,7 +83,7 @@ def sample(
     seq = check_positive_int(where, "sequence_length", sequence_length)
     period = check_positive_int(where, "period", period)
     rng = generator(where, key)
-    row_ids = np.arange(reader.layout.rows) if rows is None else reader.rows_index(where, rows)
+    row_ids = np.asarray(reader.row_ids(reader.rows_index(where, rows)), np.int64)
     firsts, counts = [], []
     for a, b in reader.commit.segments():
         first = -(-a // period) * period

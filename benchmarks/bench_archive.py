@@ -10,6 +10,7 @@ compression ratio (and speed) of each codec on realistic, compressible frames.
     python -m benchmarks.bench_archive --quick    # 2**14 steps
     python -m benchmarks.bench_archive --steps 1000000   # the issue's full size (12 GB float32)
     python -m benchmarks.bench_archive --zarr-path --steps 65536   # own I/O against zarr's path
+    python -m benchmarks.bench_archive --against /tmp/old --repeats 8   # against another version
 
 Page caches are not dropped (no root needed): reads may be served from memory, for the disk
 figure and for both libraries alike. Timings are noisy on a shared machine; compare ratios.
@@ -490,6 +491,99 @@ def zarr_paths(folder: str, dtype: str, steps: int, block: int, repeats: int) ->
     return out
 
 
+def against(folder: str, old_dir: str, dtypes: list[str], codecs: list[str], rounds: int) -> list:
+    """This archive against another version of it in the same process, interleaved call by
+    call (the order flipped each time), so that the load of a shared machine falls on both
+    alike: writes of 1024 steps (8 rows of frames), whole reads of what they wrote, batches
+    of 256 random windows of 8 steps, and writes of 1, 16 and 256 steps (16 MiB shards and
+    no shards); medians of wall and CPU time. `old_dir` holds the other version as a package
+    named `equibuffer_old` (only relative imports inside, as equibuffer has), e.g.
+    `git archive 2e64240 equibuffer | tar -x -C /tmp/old && mv /tmp/old/equibuffer
+    /tmp/old/equibuffer_old`."""
+    import importlib
+    import statistics
+    import sys
+
+    sys.path.insert(0, old_dir)
+    old = importlib.import_module("equibuffer_old")
+    old_archive = importlib.import_module("equibuffer_old._archive")
+    versions = {
+        "old": (old.RingStorage, old.Archive, old_archive.ring_holding),
+        "new": (eb.RingStorage, Archive, ring_holding),
+    }
+
+    def alternate(n: int, fn: Any) -> tuple[float, float]:
+        """`(old / new wall time, old / new CPU time)` of `n` calls each, medians."""
+        wall: dict[str, list[float]] = {v: [] for v in versions}
+        cpu: dict[str, list[float]] = {v: [] for v in versions}
+        for i in range(n):
+            for v in ("old", "new") if i % 2 == 0 else ("new", "old"):
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn(v, i)
+                wall[v].append(time.perf_counter() - t0)
+                cpu[v].append(time.process_time() - c0)
+        m = statistics.median
+        return m(wall["old"]) / m(wall["new"]), m(cpu["old"]) / m(cpu["new"])
+
+    def archives(block: int, obs: np.ndarray, n: int, **kwargs: Any) -> tuple[dict, dict]:
+        opened, rings = {}, {}
+        for v, (ring_cls, archive_cls, holding) in versions.items():
+            ring = ring_cls({"obs": jnp.zeros(SHAPE, obs.dtype)}, rows=ROWS, length=block)
+            opened[v] = archive_cls(os.path.join(folder, f"{v}.zarr"), ring, **kwargs)
+            rings[v] = [
+                holding(ring, [np.roll(obs, i, axis=1)[:, :block]], (i + 1) * block)
+                for i in range(n)
+            ]
+        return opened, rings
+
+    out = []
+    for dtype in dtypes:
+        obs = observations(dtype, 1024)
+        for codec in codecs:
+            opened, rings = archives(1024, obs, 2 * rounds, compression=codec, progress=False)
+            w = alternate(2 * rounds, lambda v, i, o=opened, g=rings: o[v].write(g[v][i]))
+            for a in opened.values():
+                a.close()
+            paths = {v: os.path.join(folder, f"{v}.zarr") for v in versions}
+            readers = {v: versions[v][1](paths[v], mode="r", progress=False) for v in versions}
+            r = alternate(rounds, lambda v, i, rd=readers: rd[v].read())
+            readers = {v: versions[v][1](paths[v], mode="r", progress=False) for v in versions}
+            rng = {v: np.random.default_rng(0) for v in versions}
+            s = alternate(5 * rounds, lambda v, i, rd=readers, g=rng: rd[v].sample(g[v], 256, SEQ))
+            for op, (wall, cpu) in (("write 1024 steps", w), ("read", r), ("sample", s)):
+                out.append(
+                    {
+                        "dtype": dtype,
+                        "codec": codec,
+                        "operation": op,
+                        "speed new/old (wall)": f"{wall:.3f}",
+                        "speed new/old (CPU)": f"{cpu:.3f}",
+                    }
+                )
+            for p in paths.values():
+                shutil.rmtree(p)
+    obs = observations("uint8", 256)
+    for layout, shard_steps in (("16 MiB shards", None), ("no shards", 0)):
+        for steps in (1, 16, 256):
+            n = 10 * rounds if steps < 256 else 2 * rounds
+            opened, rings = archives(steps, obs, n, shard_steps=shard_steps, progress=False)
+            wall, cpu = alternate(n, lambda v, i, o=opened, g=rings: o[v].write(g[v][i]))
+            for a in opened.values():
+                a.close()
+            for v in versions:
+                shutil.rmtree(os.path.join(folder, f"{v}.zarr"))
+            out.append(
+                {
+                    "dtype": "uint8",
+                    "codec": layout,
+                    "operation": f"write {steps} steps",
+                    "speed new/old (wall)": f"{wall:.3f}",
+                    "speed new/old (CPU)": f"{cpu:.3f}",
+                }
+            )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -506,6 +600,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds of --variants")
     parser.add_argument(
         "--small-writes", action="store_true", help="only the cost of writing 1, 16, 256 steps"
+    )
+    parser.add_argument(
+        "--against",
+        default=None,
+        help="a folder holding another version as `equibuffer_old`: paired, in one process",
     )
     parser.add_argument(
         "--zarr-path",
@@ -526,6 +625,12 @@ def main() -> None:
         if args.background:
             for dtype in args.dtypes.split(","):
                 print(table(background_writes(folder, dtype, block, 8, 200.0)), flush=True)
+            return
+        if args.against:
+            rows = against(
+                folder, args.against, args.dtypes.split(","), args.codecs.split(","), args.repeats
+            )
+            print(table(rows), flush=True)
             return
         if args.zarr_path:
             for dtype in args.dtypes.split(","):

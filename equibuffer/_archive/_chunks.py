@@ -101,10 +101,11 @@ class Chunks(LeafIO):
 
 
 @functools.cache
-def morton_ranks(shape: tuple[int, ...]) -> np.ndarray:
-    """The rank of each chunk of a shard of `shape` chunks in Morton (Z) order, the order in
-    which zarr's sharding codec lays chunks out by default: the coordinates' bits
-    interleaved, lowest first, each dimension taking the bits its size needs."""
+def morton_ranks(shape: tuple[int, int]) -> dict[tuple[int, int], int]:
+    """The rank of each chunk `(row, chunk)` of a shard of `shape` chunks in Morton (Z)
+    order, the order in which zarr's sharding codec lays chunks out by default: the
+    coordinates' bits interleaved, lowest first, each dimension taking the bits its size
+    needs."""
     bits = [(c - 1).bit_length() for c in shape]
     coords = np.indices(shape).reshape(len(shape), -1)
     code = np.zeros(coords.shape[1], np.int64)
@@ -114,9 +115,8 @@ def morton_ranks(shape: tuple[int, ...]) -> np.ndarray:
             if b < n:
                 code |= ((coords[d] >> b) & 1) << out
                 out += 1
-    ranks = np.empty_like(code)
-    ranks[np.argsort(code, kind="stable")] = np.arange(len(code))
-    return ranks.reshape(shape)
+    order = np.argsort(code, kind="stable")
+    return {(int(r), int(j)): k for k, (r, j) in enumerate(coords.T[order])}
 
 
 class Shards(LeafIO):
@@ -220,7 +220,8 @@ class Shards(LeafIO):
         """Replace one shard atomically by the encoded `chunks` keyed `(row, chunk)`."""
         index = np.full((self.rows, self.per_shard, 2), EMPTY, "<u8")
         parts, offset = [], 0
-        for (r, j), data in sorted(chunks.items(), key=lambda kv: self.order[kv[0]]):
+        for r, j in sorted(chunks, key=self.order.__getitem__):
+            data = chunks[(r, j)]
             n = memoryview(data).nbytes
             index[r, j] = offset, n
             parts.append(data)

@@ -494,10 +494,12 @@ def zarr_paths(folder: str, dtype: str, steps: int, block: int, repeats: int) ->
 def against(folder: str, old_dir: str, dtypes: list[str], codecs: list[str], rounds: int) -> list:
     """This archive against another version of it in the same process, interleaved call by
     call (the order flipped each time), so that the load of a shared machine falls on both
-    alike: writes of 1024 steps (8 rows of frames), whole reads of what they wrote, batches
-    of 256 random windows of 8 steps, and writes of 1, 16 and 256 steps (16 MiB shards and
-    no shards); medians of wall and CPU time. `old_dir` holds the other version as a package
-    named `equibuffer_old` (only relative imports inside, as equibuffer has), e.g.
+    alike: writes of 1024 steps (8 rows of frames), reads of the first 4096 steps of what
+    they wrote (~100 MB of uint8: larger reads time the kernel's page faults on the fresh
+    output more than the read), batches of 256 random windows of 8 steps, and writes of 1,
+    16 and 256 steps (16 MiB shards and no shards); medians of wall and CPU time. `old_dir`
+    holds the other version as a package named `equibuffer_old` (only relative imports
+    inside, as equibuffer has), e.g.
     `git archive 2e64240 equibuffer | tar -x -C /tmp/old && mv /tmp/old/equibuffer
     /tmp/old/equibuffer_old`."""
     import importlib
@@ -546,7 +548,7 @@ def against(folder: str, old_dir: str, dtypes: list[str], codecs: list[str], rou
                 a.close()
             paths = {v: os.path.join(folder, f"{v}.zarr") for v in versions}
             readers = {v: versions[v][1](paths[v], mode="r", progress=False) for v in versions}
-            r = alternate(rounds, lambda v, i, rd=readers: rd[v].read())
+            r = alternate(2 * rounds, lambda v, i, rd=readers: rd[v].read(0, 4096))
             readers = {v: versions[v][1](paths[v], mode="r", progress=False) for v in versions}
             rng = {v: np.random.default_rng(0) for v in versions}
             s = alternate(5 * rounds, lambda v, i, rd=readers, g=rng: rd[v].sample(g[v], 256, SEQ))

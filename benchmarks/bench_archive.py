@@ -9,6 +9,8 @@ compression ratio (and speed) of each codec on realistic, compressible frames.
     python -m benchmarks.bench_archive            # 2**17 steps (16384 per row)
     python -m benchmarks.bench_archive --quick    # 2**14 steps
     python -m benchmarks.bench_archive --steps 1000000   # the issue's full size (12 GB float32)
+    python -m benchmarks.bench_archive --zarr-path --steps 65536   # own I/O against zarr's path
+    python -m benchmarks.bench_archive --against /tmp/old --repeats 8   # against another version
 
 Page caches are not dropped (no root needed): reads may be served from memory, for the disk
 figure and for both libraries alike. Timings are noisy on a shared machine; compare ratios.
@@ -32,8 +34,8 @@ import zarr
 import zarr.codecs
 
 import equibuffer as eb
-from equibuffer import _archive
-from equibuffer._archive import Archive, Compression, ring_holding
+from equibuffer._archive import _format, _store, Archive, ring_holding
+from equibuffer._archive._format import Compression
 
 from ._timing import fmt_time, table
 
@@ -267,7 +269,7 @@ def _threads(count: int | None) -> Iterator[None]:
         return
     with (
         concurrent.futures.ThreadPoolExecutor(count) as pool,
-        mock.patch.object(_archive, "_POOL", pool),
+        mock.patch.object(_store, "_POOL", pool),
     ):
         yield
 
@@ -278,12 +280,12 @@ def _zstd_level(level: int | None) -> Iterator[None]:
     if level is None:
         yield
         return
-    default = _archive._codecs
+    default = _format.compressor
 
     def codecs(c: str) -> Any:
         return zarr.codecs.ZstdCodec(level=level) if c == "zstd" else default(c)
 
-    with mock.patch.object(_archive, "_codecs", codecs):
+    with mock.patch.object(_format, "compressor", codecs):
         yield
 
 
@@ -295,7 +297,7 @@ def read_variants(folder: str, dtype: str, steps: int, block: int, repeats: int)
     blocks = per_row // block
     obs = observations(dtype, block)
     payload = blocks * block * ROWS * obs[0, 0].nbytes
-    default_ss = _archive._pow2_floor(_archive._SHARD_BYTES / (ROWS * obs[0, 0].nbytes))
+    default_ss = _format.pow2_floor(_format.SHARD_BYTES / (ROWS * obs[0, 0].nbytes))
     # (name, zstd level, archive options, threads): None means the default.
     variants: list[tuple[str, int | None, dict, int | None]] = [
         ("zstd 1, 16 MiB shards (default)", None, {}, None),
@@ -422,6 +424,168 @@ def background_writes(folder: str, dtype: str, block: int, writes: int, train_ms
     return out
 
 
+FUSED = "zarr.core.codec_pipeline.FusedCodecPipeline"
+
+
+def _sample_rate(path: str, batches: int) -> float:
+    """Windows per second of `sample()` (batches of 256 windows of `SEQ` steps) from a freshly
+    opened archive."""
+    reader = Archive(path, mode="r", progress=False)
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        reader.sample(rng, 256, SEQ)
+    return 256 * batches / (time.perf_counter() - t0)
+
+
+def zarr_paths(folder: str, dtype: str, steps: int, block: int, repeats: int) -> list[dict]:
+    """The archive's own chunk and shard I/O against zarr's own path, the tested reference
+    (`Archive._direct_io = False`: zarr's `resize`, array assignment and
+    `update_attributes` for writes, its orthogonal selection for reads, one slice per
+    window for samples), with zarr's default codec pipeline and with its opt-in
+    `FusedCodecPipeline`: long writes (blocks of `block` steps), writes of 16 steps, a
+    whole read and random windows, the variants interleaved in each of `repeats` rounds."""
+    obs = observations(dtype, block)
+    blocks = max(1, steps // ROWS // block)
+    payload = blocks * block * ROWS * obs[0, 0].nbytes
+    small = obs[:, : min(block, 256)]
+    variants: list[tuple[str, bool, str | None]] = [
+        ("own I/O (the default)", True, None),
+        ("zarr's path", False, None),
+        ("zarr's path, FusedCodecPipeline", False, FUSED),
+    ]
+    got: dict[str, list[tuple[float, float, float, float]]] = {v[0]: [] for v in variants}
+    for _ in range(repeats):
+        for name, direct, pipeline in variants:
+            config = (
+                zarr.config.set({"codec_pipeline.path": pipeline})
+                if pipeline
+                else contextlib.nullcontext()
+            )
+            path = os.path.join(folder, "paths.zarr")
+            with config, mock.patch.object(Archive, "_direct_io", direct):
+                wall, _, _ = _write_archive(path, obs, blocks)
+                read, _ = _read_all(path, payload)
+                rate = _sample_rate(path, 4)
+                small_path = os.path.join(folder, "paths-small.zarr")
+                small_wall, _, _ = _write_archive(small_path, small, 1, 16)
+            shutil.rmtree(path)
+            shutil.rmtree(small_path)
+            got[name].append(
+                (payload / wall, small_wall / (small.shape[1] // 16), payload / read, rate)
+            )
+    out = []
+    own = [float(np.median([g[i] for g in got[variants[0][0]]])) for i in range(4)]
+    for name, *_ in variants:
+        med = [float(np.median([g[i] for g in got[name]])) for i in range(4)]
+        out.append(
+            {
+                "dtype": dtype,
+                "path": name,
+                "write MB/s": f"{med[0] / 1e6:.0f} ({med[0] / own[0]:.2f}x)",
+                "ms per 16-step write": f"{med[1] * 1e3:.1f} ({own[1] / med[1]:.2f}x)",
+                "read MB/s": f"{med[2] / 1e6:.0f} ({med[2] / own[2]:.2f}x)",
+                "sample() windows/s": f"{med[3]:.0f} ({med[3] / own[3]:.2f}x)",
+            }
+        )
+    return out
+
+
+def against(folder: str, old_dir: str, dtypes: list[str], codecs: list[str], rounds: int) -> list:
+    """This archive against another version of it in the same process, interleaved call by
+    call (the order flipped each time), so that the load of a shared machine falls on both
+    alike: writes of 1024 steps (8 rows of frames), reads of the first 4096 steps of what
+    they wrote (~100 MB of uint8: larger reads time the kernel's page faults on the fresh
+    output more than the read), batches of 256 random windows of 8 steps, and writes of 1,
+    16 and 256 steps (16 MiB shards and no shards); medians of wall and CPU time. `old_dir`
+    holds the other version as a package named `equibuffer_old` (only relative imports
+    inside, as equibuffer has), e.g.
+    `git archive 2e64240 equibuffer | tar -x -C /tmp/old && mv /tmp/old/equibuffer
+    /tmp/old/equibuffer_old`."""
+    import importlib
+    import statistics
+    import sys
+
+    sys.path.insert(0, old_dir)
+    old = importlib.import_module("equibuffer_old")
+    old_archive = importlib.import_module("equibuffer_old._archive")
+    versions = {
+        "old": (old.RingStorage, old.Archive, old_archive.ring_holding),
+        "new": (eb.RingStorage, Archive, ring_holding),
+    }
+
+    def alternate(n: int, fn: Any) -> tuple[float, float]:
+        """`(old / new wall time, old / new CPU time)` of `n` calls each, medians."""
+        wall: dict[str, list[float]] = {v: [] for v in versions}
+        cpu: dict[str, list[float]] = {v: [] for v in versions}
+        for i in range(n):
+            for v in ("old", "new") if i % 2 == 0 else ("new", "old"):
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn(v, i)
+                wall[v].append(time.perf_counter() - t0)
+                cpu[v].append(time.process_time() - c0)
+        m = statistics.median
+        return m(wall["old"]) / m(wall["new"]), m(cpu["old"]) / m(cpu["new"])
+
+    def archives(block: int, obs: np.ndarray, n: int, **kwargs: Any) -> tuple[dict, dict]:
+        opened, rings = {}, {}
+        for v, (ring_cls, archive_cls, holding) in versions.items():
+            ring = ring_cls({"obs": jnp.zeros(SHAPE, obs.dtype)}, rows=ROWS, length=block)
+            opened[v] = archive_cls(os.path.join(folder, f"{v}.zarr"), ring, **kwargs)
+            rings[v] = [
+                holding(ring, [np.roll(obs, i, axis=1)[:, :block]], (i + 1) * block)
+                for i in range(n)
+            ]
+        return opened, rings
+
+    out = []
+    for dtype in dtypes:
+        obs = observations(dtype, 1024)
+        for codec in codecs:
+            opened, rings = archives(1024, obs, 2 * rounds, compression=codec, progress=False)
+            w = alternate(2 * rounds, lambda v, i, o=opened, g=rings: o[v].write(g[v][i]))
+            for a in opened.values():
+                a.close()
+            paths = {v: os.path.join(folder, f"{v}.zarr") for v in versions}
+            readers = {v: versions[v][1](paths[v], mode="r", progress=False) for v in versions}
+            r = alternate(2 * rounds, lambda v, i, rd=readers: rd[v].read(0, 4096))
+            readers = {v: versions[v][1](paths[v], mode="r", progress=False) for v in versions}
+            rng = {v: np.random.default_rng(0) for v in versions}
+            s = alternate(5 * rounds, lambda v, i, rd=readers, g=rng: rd[v].sample(g[v], 256, SEQ))
+            for op, (wall, cpu) in (("write 1024 steps", w), ("read", r), ("sample", s)):
+                out.append(
+                    {
+                        "dtype": dtype,
+                        "codec": codec,
+                        "operation": op,
+                        "speed new/old (wall)": f"{wall:.3f}",
+                        "speed new/old (CPU)": f"{cpu:.3f}",
+                    }
+                )
+            for p in paths.values():
+                shutil.rmtree(p)
+    obs = observations("uint8", 256)
+    for layout, shard_steps in (("16 MiB shards", None), ("no shards", 0)):
+        for steps in (1, 16, 256):
+            n = 10 * rounds if steps < 256 else 2 * rounds
+            opened, rings = archives(steps, obs, n, shard_steps=shard_steps, progress=False)
+            wall, cpu = alternate(n, lambda v, i, o=opened, g=rings: o[v].write(g[v][i]))
+            for a in opened.values():
+                a.close()
+            for v in versions:
+                shutil.rmtree(os.path.join(folder, f"{v}.zarr"))
+            out.append(
+                {
+                    "dtype": "uint8",
+                    "codec": layout,
+                    "operation": f"write {steps} steps",
+                    "speed new/old (wall)": f"{wall:.3f}",
+                    "speed new/old (CPU)": f"{cpu:.3f}",
+                }
+            )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -440,6 +604,16 @@ def main() -> None:
         "--small-writes", action="store_true", help="only the cost of writing 1, 16, 256 steps"
     )
     parser.add_argument(
+        "--against",
+        default=None,
+        help="a folder holding another version as `equibuffer_old`: paired, in one process",
+    )
+    parser.add_argument(
+        "--zarr-path",
+        action="store_true",
+        help="only the archive's own chunk I/O against zarr's own path (--repeats rounds)",
+    )
+    parser.add_argument(
         "--background",
         action="store_true",
         help="only write against write_async in a loop with a training phase between writes",
@@ -453,6 +627,16 @@ def main() -> None:
         if args.background:
             for dtype in args.dtypes.split(","):
                 print(table(background_writes(folder, dtype, block, 8, 200.0)), flush=True)
+            return
+        if args.against:
+            rows = against(
+                folder, args.against, args.dtypes.split(","), args.codecs.split(","), args.repeats
+            )
+            print(table(rows), flush=True)
+            return
+        if args.zarr_path:
+            for dtype in args.dtypes.split(","):
+                print(table(zarr_paths(folder, dtype, steps, block, args.repeats)), flush=True)
             return
         if args.variants or args.small_writes:
             for dtype in args.dtypes.split(","):

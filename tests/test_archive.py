@@ -4,6 +4,7 @@ local directory or an in-memory zarr store, and `test_archive_s3.py` reruns them
 import atexit
 import dataclasses
 import functools
+import inspect
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import uuid
@@ -27,16 +29,19 @@ import numpy as np
 import pytest
 import zarr
 import zarr.storage
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
 
 import equibuffer as eb
 from equibuffer._archive import (
-    _Objects,
     Archive,
     ArchiveLockedError,
     ring_holding,
     StepsLostError,
     StepsLostWarning,
 )
+from equibuffer._archive._sampler import generator
+from equibuffer._archive._store import LOCK_KEY, Objects, open_store, s3_options
 
 from .archive_writer import example, MAX_LENGTH, ROWS, values
 from .helpers import chi_square_pvalue
@@ -56,14 +61,19 @@ class Location:
         return Archive(self.store, like, storage_options=self.options, **kwargs)
 
 
-@pytest.fixture(params=["dir", "memory", "unsharded"])
-def location(request, tmp_path) -> Location:
+@pytest.fixture(params=["dir", "memory", "unsharded", "zarr-path"])
+def location(request, tmp_path, monkeypatch) -> Location:
     """A directory with the default shards (one shard), a memory store with shards of 8 steps
-    (many shards, 2 chunks each), or a directory with one object per chunk (no shards)."""
+    (many shards, 2 chunks each), a directory with one object per chunk (no shards), or a
+    directory with shards of 8 steps read and written through zarr's own path (the reference
+    the archive's own chunk and shard I/O is tested against)."""
     if request.param == "dir":
         return Location(str(tmp_path / "run.zarr"))
     if request.param == "unsharded":
         return Location(str(tmp_path / "run.zarr"), shard_steps=0)
+    if request.param == "zarr-path":
+        monkeypatch.setattr(Archive, "_direct_io", False)
+        return Location(str(tmp_path / "run.zarr"), shard_steps=8, rounds=4)
     return Location(zarr.storage.MemoryStore(), shard_steps=8)
 
 
@@ -334,6 +344,28 @@ def test_load_into_a_trajectory_buffer_for_offline_training(location, getkey):
         np.testing.assert_array_equal(np.asarray(sample.steps), first[:, 0].astype(np.uint32))
 
 
+def test_the_lock_is_a_conditional_put(location):
+    """Another host's writer holds the archive: a writer's lock request (a put that creates
+    the lock object only if there is none) fails, and the other lock stays as it was. A
+    plain put would have replaced it, and the second writer would have taken the lock."""
+    location.open(new_buffer()).close()
+    store = open_store(location.store, location.options, read_only=False)
+    other = {
+        "zarr_format": 3,
+        "node_type": "group",
+        "attributes": {
+            "equibuffer_lock": {"token": "t", "pid": 1, "host": "elsewhere", "since": "then"}
+        },
+    }
+    raw = json.dumps(other).encode()
+    sync(store.set(LOCK_KEY, default_buffer_prototype().buffer.from_bytes(raw)))
+    with pytest.raises(ArchiveLockedError, match="process 1 on host 'elsewhere'"):
+        location.open(new_buffer())
+    held = sync(store.get(LOCK_KEY, prototype=default_buffer_prototype()))
+    assert held is not None and held.to_bytes() == raw
+    location.open(new_buffer(), break_lock=True).close()  # once sure that writer is gone
+
+
 # ---------------------------------------------------------------------------- local only
 
 
@@ -532,7 +564,7 @@ def test_a_failed_background_write_commits_nothing_after_it(tmp_path, monkeypatc
     archive = Archive(str(tmp_path / "run.zarr"), buffer, chunk_steps=4, shard_steps=8)
     archive.progress = False
     assert archive.write(buffer) == 5
-    real_put = _Objects.put
+    real_put = Objects.put
     go = threading.Event()
 
     def failing_put(self, key, parts):
@@ -541,7 +573,7 @@ def test_a_failed_background_write_commits_nothing_after_it(tmp_path, monkeypatc
             raise OSError("no space left on device")
         return real_put(self, key, parts)
 
-    monkeypatch.setattr(_Objects, "put", failing_put)
+    monkeypatch.setattr(Objects, "put", failing_put)
     buffer = add(buffer, 3)
     first = archive.write_async(buffer)
     buffer = add(buffer, 4)
@@ -557,7 +589,7 @@ def test_a_failed_background_write_commits_nothing_after_it(tmp_path, monkeypatc
     archive.flush()  # reported once
     assert len(archive) == archive.source_steps == 5  # the last commit
     assert len(Archive(str(tmp_path / "run.zarr"), mode="r")) == 5
-    monkeypatch.setattr(_Objects, "put", real_put)
+    monkeypatch.setattr(Objects, "put", real_put)
     assert archive.write(buffer) == 7  # what the ring still holds, written now
     archive.close()
     assert_tree_equal(Archive(str(tmp_path / "run.zarr"), mode="r").read(), expected(0, 12))
@@ -608,7 +640,7 @@ def test_fsync_round_trip_and_commit_order(tmp_path, monkeypatch, shard_steps):
             cs, ss = 4, shard_steps or 4  # unsharded: one object per chunk of 4 steps
             keys = [
                 chunks.key(r, s) if not shard_steps else chunks.shard_key(s)
-                for chunks in archive._chunks
+                for chunks in archive._reader.io or []
                 for s in range(old // ss, -(-total // ss))
                 for r in (range(ROWS) if not shard_steps else [0])
             ]
@@ -624,6 +656,275 @@ def test_fsync_round_trip_and_commit_order(tmp_path, monkeypatch, shard_steps):
         archive.close()
         assert_tree_equal(Archive(root, mode="r").read(), expected(0, total))
     assert not list(Path(root).rglob("*.partial"))
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("shard_steps", [None, 8, 0], ids=["one-shard", "shards", "unsharded"])
+@pytest.mark.parametrize("compression", ["zstd", "lz4", "none"])
+def test_the_archives_own_io_writes_what_zarrs_own_path_writes(
+    tmp_path, monkeypatch, shard_steps, compression
+):
+    """The same writes (partial chunks and shards continued by the writer, then by a reopened
+    one) through the archive's own chunk and shard I/O and through zarr's own array API
+    (`resize`, assignment, `update_attributes`): the same objects, byte for byte (the
+    metadata documents: the same JSON)."""
+    opts = dict(chunk_steps=4, shard_steps=shard_steps, compression=compression, progress=False)
+    paths = {True: tmp_path / "own", False: tmp_path / "zarr"}
+    buffer = new_buffer()
+    archives = {}
+    for direct, path in paths.items():
+        monkeypatch.setattr(Archive, "_direct_io", direct)
+        archives[direct] = Archive(str(path), buffer, **opts)
+        assert (archives[direct]._reader.io is None) == (not direct)
+    for i, n in enumerate((3, 10, 1, 7, 24, 5)):
+        buffer = add(buffer, n)
+        for direct, path in paths.items():
+            if i == 3:  # reopened: the partial chunks and shard are read back
+                archives[direct].close()
+                monkeypatch.setattr(Archive, "_direct_io", direct)
+                archives[direct] = Archive(str(path), buffer, **opts)
+            assert archives[direct].write(buffer) == n
+    for archive in archives.values():
+        archive.close()
+    own, reference = _files(paths[True]), _files(paths[False])
+    assert sorted(own) == sorted(reference) and len(own) > 4
+    for key in own:
+        if key.endswith("zarr.json"):  # the same document, zarr's indented, ours compact
+            assert json.loads(own[key]) == json.loads(reference[key]), key
+        else:
+            assert own[key] == reference[key], key
+    assert_tree_equal(Archive(str(paths[True]), mode="r").read(), expected(0, 50))
+
+
+def test_arrays_another_tool_reencoded_are_read_and_written_through_zarr(tmp_path):
+    """A leaf rewritten by another tool with a codec the archive does not encode itself
+    (gzip) is read, sampled and written through zarr's own path."""
+    path = str(tmp_path / "run.zarr")
+    buffer = add(new_buffer(), 10)
+    with Archive(path, buffer, progress=False, chunk_steps=4) as archive:
+        archive.write(buffer)
+    group = zarr.open_group(path, mode="r+")
+    old: Any = group["obs"]
+    data, attrs = old[:], dict(old.attrs)
+    new = group.create_array(
+        "obs",
+        shape=old.shape,
+        dtype=old.dtype,
+        chunks=(1, 4, 4),
+        compressors=zarr.codecs.GzipCodec(),
+        fill_value=0,
+        dimension_names=old.metadata.dimension_names,
+        attributes=attrs,
+        overwrite=True,
+    )
+    new[:] = data
+    with Archive(path, new_buffer(), progress=False) as archive:
+        assert archive._reader.io is None  # zarr's own path for every leaf
+        assert_tree_equal(archive.read(), expected(0, 10))
+        assert archive.write(add(buffer, 5)) == 5
+        s = archive.sample(0, 16, 3)
+        np.testing.assert_array_equal(
+            s.experience["obs"][:, :, 0], s.rows[:, None] * 100_000 + s.starts[:, None] + [0, 1, 2]
+        )
+    assert_tree_equal(Archive(path, mode="r").read(), expected(0, 15))
+
+
+def test_fsync_needs_the_archives_own_io(tmp_path, monkeypatch):
+    monkeypatch.setattr(Archive, "_direct_io", False)
+    with pytest.raises(ValueError, match="fsync=True is not available for .*zarr's own path"):
+        Archive(str(tmp_path / "run.zarr"), new_buffer(), fsync=True)
+    Archive(str(tmp_path / "run.zarr"), new_buffer()).close()  # the lock was released
+
+
+class CheckThenWrite(zarr.storage.MemoryStore):
+    """A store whose `set_if_not_exists` is zarr's default: it checks, then writes (as zarr's
+    fsspec store does)."""
+
+    set_if_not_exists = zarr.abc.store.Store.set_if_not_exists
+
+
+def test_a_store_that_checks_then_writes_cannot_hold_the_lock():
+    objects: dict = {}
+    with Archive(zarr.storage.MemoryStore(objects), new_buffer(), progress=False) as archive:
+        archive.write(add(new_buffer(), 3))
+    with pytest.raises(ValueError, match=r"cannot hold the one-writer lock: its store \(Check"):
+        Archive(CheckThenWrite(objects), new_buffer())
+    assert len(Archive(CheckThenWrite(objects), mode="r")) == 3  # any store can be read
+    with pytest.raises(ValueError, match="cannot hold the one-writer lock"):  # wrapped too
+        Archive(zarr.storage.LoggingStore(CheckThenWrite()), new_buffer())
+
+
+OBSTORE_SPELLING = {
+    "endpoint": "http://127.0.0.1:9000",
+    "access_key_id": "id",
+    "secret_access_key": "secret",
+    "session_token": "token",
+    "region": "eu-west-1",
+    "skip_signature": False,
+    "client_options": {"allow_http": True},
+}
+FSSPEC_SPELLING = {
+    "endpoint_url": "http://127.0.0.1:9000",
+    "key": "id",
+    "secret": "secret",
+    "token": "token",
+    "anon": False,
+    "client_kwargs": {"region_name": "eu-west-1"},
+}
+
+
+def test_s3_storage_options_in_either_spelling_reach_either_backend():
+    assert s3_options(FSSPEC_SPELLING, "obstore") == OBSTORE_SPELLING  # http://: allow_http
+    assert s3_options(OBSTORE_SPELLING, "obstore") == OBSTORE_SPELLING
+    assert s3_options(OBSTORE_SPELLING, "fsspec") == FSSPEC_SPELLING  # allow_http: implied
+    assert s3_options(FSSPEC_SPELLING, "fsspec") == FSSPEC_SPELLING
+    # obstore's aliases (upper case, `aws_` prefix) too.
+    aliased = {"AWS_ACCESS_KEY_ID": "id", "aws_endpoint": "http://h", "aws_region": "r"}
+    assert s3_options(aliased, "fsspec") == {
+        "key": "id",
+        "endpoint_url": "http://h",
+        "client_kwargs": {"region_name": "r"},
+    }
+    with pytest.raises(ValueError, match="'key' sets 'access_key_id' a second time"):
+        s3_options({"access_key_id": "a", "key": "b"}, "fsspec")
+    with pytest.raises(ValueError, match="'virtual_hosted_style_request' is obstore's and has"):
+        s3_options({"virtual_hosted_style_request": True}, "fsspec")
+    with pytest.raises(ValueError, match=r"client_options \['timeout'\] are obstore's"):
+        s3_options({"client_options": {"timeout": "5s"}}, "fsspec")
+    with pytest.raises(ValueError, match=r"client_kwargs\['verify'\] is s3fs's; obstore"):
+        s3_options({"client_kwargs": {"verify": False}}, "obstore")
+
+
+def test_without_obstore_a_url_is_read_through_fsspec_and_never_written(monkeypatch):
+    """Without obstore, `s3://` goes to zarr's fsspec store: the same options in s3fs's
+    spelling, readers only (fsspec's store checks, then writes: no safe writer lock)."""
+    monkeypatch.setitem(sys.modules, "obstore.store", None)  # `import obstore.store` fails
+    monkeypatch.setitem(sys.modules, "obstore.exceptions", None)
+    url = "s3://bucket/run.zarr"
+    with pytest.raises(ValueError, match=r"writing to 's3://bucket/run.zarr' needs obstore"):
+        Archive(url, new_buffer(), storage_options=OBSTORE_SPELLING)
+    seen = []
+
+    def from_url(url: str, storage_options: dict, read_only: bool) -> Any:
+        seen.append((url, storage_options, read_only))
+        return zarr.storage.MemoryStore(read_only=True)  # empty: "no archive" below
+
+    monkeypatch.setattr(zarr.storage.FsspecStore, "from_url", from_url)
+    for options in (OBSTORE_SPELLING, FSSPEC_SPELLING):
+        with pytest.raises(FileNotFoundError, match="no archive at 's3://bucket/run.zarr'"):
+            Archive(url, mode="r", storage_options=options)
+    assert seen == [(url, FSSPEC_SPELLING, True)] * 2
+
+    def no_fsspec(*args: Any, **kwargs: Any) -> Any:
+        raise ImportError("No module named 's3fs'")
+
+    monkeypatch.setattr(zarr.storage.FsspecStore, "from_url", no_fsspec)
+    with pytest.raises(ImportError, match="needs obstore .* or fsspec with the filesystem"):
+        Archive(url, mode="r")
+
+
+def test_storage_options_only_apply_to_urls(tmp_path):
+    with pytest.raises(ValueError, match="`storage_options` apply to a URL .* not to the local"):
+        Archive(str(tmp_path / "run.zarr"), new_buffer(), storage_options={"key": "x"})
+    with pytest.raises(ValueError, match="this `store` is already a zarr store"):
+        Archive(zarr.storage.MemoryStore(), new_buffer(), storage_options={"key": "x"})
+
+
+def test_sample_takes_a_jax_key_a_generator_or_a_seed():
+    buffer = add(new_buffer(), 20)
+    with Archive(zarr.storage.MemoryStore(), buffer, progress=False, chunk_steps=4) as archive:
+        archive.write(buffer)
+        draw = functools.partial(archive.sample, batch_size=64, sequence_length=3)
+        a, b, c = draw(jax.random.key(0)), draw(jax.random.key(0)), draw(jax.random.key(1))
+        np.testing.assert_array_equal(a.starts, b.starts)  # the same key, the same windows
+        np.testing.assert_array_equal(a.rows, b.rows)
+        assert not np.array_equal(a.starts, c.starts)
+        raw = draw(jax.random.PRNGKey(0))  # a raw uint32 key: the same as its typed key
+        np.testing.assert_array_equal(raw.starts, a.starts)
+        np.testing.assert_array_equal(draw(7).starts, draw(np.random.default_rng(7)).starts)
+        rng = np.random.default_rng(3)
+        assert not np.array_equal(draw(rng).starts, draw(rng).starts)  # a Generator advances
+        for rows in ([1], (np.int64(-1),), np.array([1]), slice(1, None)):  # rows, any way
+            assert (draw(0, rows=rows).rows == 1).all()
+        for s in (a, c, raw):
+            np.testing.assert_array_equal(
+                s.experience["obs"][:, :, 0],
+                s.rows[:, None] * 100_000 + s.starts[:, None] + [0, 1, 2],
+            )
+        keys = jax.random.split(jax.random.key(0))
+        with pytest.raises(TypeError):  # the annotation (checked in tests), then our message:
+            draw(keys)
+    with pytest.raises(ValueError, match=r"expected one PRNG key .* shape \(2,\) .*; split"):
+        generator("Archive.sample()", keys)
+    with pytest.raises(TypeError, match="`key` must be a JAX PRNG key .*, got float"):
+        generator("Archive.sample()", 0.5)
+
+
+def test_as_jax_gives_jax_arrays_of_the_same_values():
+    buffer = add(new_buffer(), 20)
+    with Archive(zarr.storage.MemoryStore(), buffer, progress=False, chunk_steps=4) as archive:
+        archive.write(buffer)
+        sample = archive.sample(jax.random.key(0), 32, 4)
+        got = eb.as_jax(sample)
+        block = eb.as_jax(archive.read(2, 9))
+    assert isinstance(got, eb.ArchiveSample)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(sample), strict=True):
+        assert isinstance(a, jax.Array)
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert got.experience["flag"].dtype == jnp.bfloat16 and got.rows.dtype == jnp.int32
+    assert block["obs"].shape == (ROWS, 7, 4) and isinstance(block["obs"], jax.Array)
+    device = jax.devices()[-1]
+    assert eb.as_jax(sample, device).experience["obs"].devices() == {device}
+
+
+def test_repr_names_location_length_rows_and_leaves(tmp_path):
+    path = str(tmp_path / "run.zarr")
+    buffer = add(new_buffer(), 6)
+    with Archive(path, buffer, progress=False) as archive:
+        archive.write(buffer)
+        assert repr(archive) == (
+            f"Archive({path!r}, mode='a', length=6, rows=2, "
+            "leaves={['flag']: bfloat16[], ['obs']: float32[4]})"
+        )
+    assert repr(Archive(path, mode="r")).startswith(f"Archive({path!r}, mode='r', length=6,")
+    memory = repr(Archive(zarr.storage.MemoryStore(), new_buffer()))
+    assert memory.startswith("Archive(MemoryStore(") and "length=0, rows=2" in memory
+
+
+def _public_members() -> list[tuple[str, Any]]:
+    out = [("as_jax", eb.as_jax)]
+    for name, member in vars(Archive).items():
+        if not name.startswith("_") or name in ("__init__", "__len__"):
+            out.append((name, member))
+    return out
+
+
+def test_every_public_member_is_annotated_documented_and_exemplified():
+    """Every public method and property of `Archive` (and `as_jax`) has a type annotation on
+    each argument and on its result, and a docstring with a runnable example (methods'
+    examples run in tests/test_docs.py; the properties' run here). `Archive(...)`'s
+    arguments are documented in the class docstring, once."""
+    doc = inspect.getdoc(Archive) or ""
+    init = inspect.signature(Archive.__init__)
+    for name in list(init.parameters)[1:]:
+        assert f"- `{name}`:" in doc, name
+    assert (Archive.__init__.__doc__ or "") == ""
+    for name, member in _public_members():
+        fn = member.fget if isinstance(member, property) else member
+        sig = inspect.signature(fn)
+        for p in list(sig.parameters.values())[1 if name != "as_jax" else 0 :]:
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                assert p.annotation is not p.empty, (name, p.name)
+        if name != "__init__":
+            assert sig.return_annotation is not sig.empty, name
+            assert name == "__len__" or "!!! example" in (fn.__doc__ or ""), name
+        if isinstance(member, property):
+            block = re.findall(r"!!! example\n\n(.*?)```\n", fn.__doc__ + "\n", flags=re.S)[0]
+            code = re.sub(r"^```python\n", "", textwrap.dedent(block).strip())
+            exec(compile(code, f"<Archive.{name}>", "exec"), {})
 
 
 # ------------------------------------------------------------------------------ crashes

@@ -9,6 +9,8 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
+from equibuffer._archive import Archive
+
 from .test_archive import (  # noqa: F401  (collected again here with the S3 `location`)
     crash_writer_many_times,
     Location,
@@ -23,6 +25,7 @@ from .test_archive import (  # noqa: F401  (collected again here with the S3 `lo
     test_reopen_continues_and_restore_resumes,
     test_sampling_is_uniform_over_valid_windows,
     test_schema_mismatch_names_the_leaves,
+    test_the_lock_is_a_conditional_put,
     test_write_appends_exactly_the_new_steps,
     test_write_async_checks_lost_steps_when_called,
 )
@@ -75,3 +78,22 @@ def test_s3_lock_is_a_conditional_put(location):
 def test_s3_writer_killed_at_random_moments(s3_options):
     store = f"s3://{BUCKET}/crash-{uuid.uuid4().hex}.zarr"
     crash_writer_many_times(store, json.dumps(s3_options), 2, 1)
+
+
+def test_s3_options_in_s3fs_spelling_reach_the_same_store(s3_options):
+    """The fixture's options are obstore's spelling; s3fs's spelling of the same settings
+    opens the same archive (and a setting obstore has no spelling for is a clear error)."""
+    from .test_archive import add, assert_tree_equal, expected, new_buffer
+
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex}.zarr"
+    s3fs_spelling = {
+        "endpoint_url": s3_options["endpoint"],
+        "key": s3_options["access_key_id"],
+        "secret": s3_options["secret_access_key"],
+        "client_kwargs": {"region_name": s3_options["region"]},
+    }
+    with Archive(url, new_buffer(), storage_options=s3_options, progress=False) as archive:
+        archive.write(add(new_buffer(), 5))
+    assert_tree_equal(Archive(url, mode="r", storage_options=s3fs_spelling).read(), expected(0, 5))
+    with pytest.raises(ValueError, match="passed to obstore, which does not take one of them"):
+        Archive(url, mode="r", storage_options={**s3_options, "use_ssl": False})

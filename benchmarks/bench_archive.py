@@ -119,7 +119,9 @@ def bench_dtype(
     obs = observations(dtype, block)
     payload = blocks * block * ROWS * obs[0, 0].nbytes
     example = {"obs": jnp.zeros(SHAPE, dtype)}
-    buffer = eb.TrajectoryBuffer(example, add_batch_size=ROWS, max_length=block, sequence_length=1)
+    buffer = eb.TrajectoryBuffer(
+        example, add_batch_size=ROWS, max_length_time_axis=block, sequence_length=1
+    )
     path = os.path.join(folder, f"eb-{dtype}-{compression}.zarr")
     archive = Archive(path, buffer, compression=compression, progress=False, fsync=fsync)
     t_write = 0.0

@@ -139,7 +139,7 @@ def _ours(kind: str, rows: int, capacity: int, seq: int, jit: str = "eqx") -> Pe
 
     def mark_full(buf):
         # Counters of a full ring; the stored values do not change the cost of a gather.
-        n = buf.max_length
+        n = buf.max_length_time_axis
         return eqx.tree_at(
             lambda b: (b.storage.fill, b.storage.count_lo),
             buf,

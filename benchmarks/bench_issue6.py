@@ -257,17 +257,25 @@ def bench_episodes(
     for mode, prioritised in itertools.product(modes, (False, True)):
         if prioritised:
             episodes = eb.PrioritisedEpisodeTrajectoryBuffer(
-                example, add_batch_size=rows, max_length=length, sequence_length=seq, mode=mode
+                example,
+                add_batch_size=rows,
+                max_length_time_axis=length,
+                sequence_length=seq,
+                mode=mode,
             )
             plain = eb.PrioritisedTrajectoryBuffer(
-                example, add_batch_size=rows, max_length=length, sequence_length=seq
+                example, add_batch_size=rows, max_length_time_axis=length, sequence_length=seq
             )
         else:
             episodes = eb.EpisodeTrajectoryBuffer(
-                example, add_batch_size=rows, max_length=length, sequence_length=seq, mode=mode
+                example,
+                add_batch_size=rows,
+                max_length_time_axis=length,
+                sequence_length=seq,
+                mode=mode,
             )
             plain = eb.TrajectoryBuffer(
-                example, add_batch_size=rows, max_length=length, sequence_length=seq
+                example, add_batch_size=rows, max_length_time_axis=length, sequence_length=seq
             )
         plain = plain.add(data)
         episodes = episodes.add(data)

@@ -1,7 +1,7 @@
 from typing import Any, TypeAlias
 
 import numpy as np
-from jaxtyping import Array, Bool, Int, PyTree, Shaped, UInt32
+from jaxtyping import Array, Bool, Int, PyTree, Shaped, UInt, UInt32
 
 
 # An experience tree: any pytree (dict, tuple, eqx.Module, ...) of arrays.
@@ -17,5 +17,7 @@ Scalar: TypeAlias = Shaped[Array, ""]
 BoolScalar: TypeAlias = Bool[Array, ""]
 IntScalar: TypeAlias = Int[Array, ""]
 Count: TypeAlias = UInt32[Array, ""]
+# The count of steps added per row, as `RingStorage.count()` returns it (uint32 or uint64).
+StepCount: TypeAlias = UInt[Array, ""]
 Indices: TypeAlias = Int[Array, " batch"]
 Steps: TypeAlias = UInt32[Array, " batch"]

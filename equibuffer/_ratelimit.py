@@ -59,7 +59,8 @@ class RateLimited(eqx.Module):
     `add_batch_size * T` steps) and a sample of `batch_size` windows counts `batch_size`.
 
     - **Warm-up.** An `add`'s steps are counted if and only if the wrapped buffer can be
-        sampled after it (`buffer.can_sample()`, i.e. it holds its `min_length` steps per row and
+        sampled after it (`buffer.can_sample()`,
+                          i.e. it holds its `min_length_time_axis` steps per row and
         a window). The adds that fill the buffer up to its minimum do not count, except the one
         that makes it sampleable, which counts all its steps. While the buffer cannot be
         sampled, `can_add()` is always true and `can_sample()` always false.
@@ -135,7 +136,7 @@ class RateLimited(eqx.Module):
 
         - `buffer`: the buffer to limit, any [`equibuffer.AbstractBuffer`][] (prioritised
             ones included) or a [`equibuffer.ClusteredBuffer`][] (whose items count as
-            steps). Its `min_length` is the warm-up: nothing is counted before it can be
+            steps). Its `min_length_time_axis` is the warm-up: nothing is counted before it can be
             sampled. Counting starts here, at a credit of 0, whatever it already holds.
         - `samples_per_insert`: the target number of windows sampled per step inserted (per
             row), a Python float `> 0`.
@@ -289,7 +290,8 @@ class RateLimited(eqx.Module):
             import equibuffer as eb, jax, jax.numpy as jnp
 
             example = {"x": jnp.zeros(())}
-            buffer = eb.TrajectoryBuffer(example, add_batch_size=2, sequence_length=3, max_length=8)
+            buffer = eb.TrajectoryBuffer(example, add_batch_size=2, sequence_length=3,
+                                         max_length_time_axis=8)
             limited = eb.RateLimited(buffer, samples_per_insert=1.0, tolerance=8.0)
             limited = limited.add({"x": jnp.zeros((2, 2))})  # 2 steps per row: no window yet
             assert float(limited.credit()) == 0.0  # warm-up: not counted

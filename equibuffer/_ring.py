@@ -9,7 +9,7 @@ from equinox.internal import unvmap_all
 from jaxtyping import Array, Int, PyTree, Shaped
 
 from ._checks import as_example_leaf, check_dtype, check_positive_int, check_structure, keystr
-from ._custom_types import Count, ExampleTree, ExperienceBatch, IntScalar
+from ._custom_types import Count, ExampleTree, ExperienceBatch, IntScalar, StepCount
 
 
 _TWO_32 = 1 << 32
@@ -110,6 +110,30 @@ class RingStorage(eqx.Module):
             ```
         """
         return int(self.count_hi) * _TWO_32 + int(self.count_lo)
+
+    def count(self) -> StepCount:
+        """The count of steps ever added to each row as a 0-d array, usable inside jit:
+        `uint64` with `jax_enable_x64` (exact), else `uint32` (a count of `2**32` or more
+        raises, through `eqx.error_if`). [`steps_added`][equibuffer.RingStorage.steps_added]
+        is exact at any count, outside jit.
+
+        !!! example
+
+            ```python
+            storage = RingStorage({"x": jnp.zeros(())}, rows=1, length=2)
+            assert int(storage.write({"x": jnp.zeros((1, 3))}).count()) == 3
+            ```
+        """
+        if jax.config.read("jax_enable_x64"):
+            hi = self.count_hi.astype(jnp.uint64)
+            return hi * jnp.uint64(_TWO_32) + self.count_lo.astype(jnp.uint64)
+        return eqx.error_if(
+            self.count_lo,
+            self.count_hi > 0,
+            "the count of steps added per row is 2**32 or more, more than a uint32 holds: "
+            "enable jax_enable_x64 for an exact uint64 count, or read "
+            "`buffer.storage.steps_added()` outside jit.",
+        )
 
     def steps_in(self, batch: ExperienceBatch, where: str = "add()") -> int | None:
         """Check `batch` against the stored tree and return its number of steps.

@@ -43,7 +43,7 @@ def shard_rows(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
 
         mesh = jax.make_mesh((jax.device_count(),), ("envs",), axis_types=(AxisType.Auto,))
         buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(3)}, add_batch_size=4 * jax.device_count(),
-                                     max_length=16, sequence_length=4)
+                                     max_length_time_axis=16, sequence_length=4)
         buffer = eb.shard_rows(buffer, mesh, "envs")
         assert buffer.storage.data["obs"].sharding.spec == jax.sharding.PartitionSpec("envs")
         ```

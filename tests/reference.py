@@ -252,7 +252,7 @@ class ClusteredReference:
 
 class BufferReference:
     """A ring buffer as its pieces: a `History`, a window rule (`UniformRule` or
-    `EpisodeRule`), `min_length`, and `Priorities` when `alpha` is given (prioritised)."""
+    `EpisodeRule`), `min_length_time_axis`, and `Priorities` when `alpha` is given (prioritised)."""
 
     def __init__(
         self,
@@ -264,7 +264,7 @@ class BufferReference:
     ):
         self.history = History(rows, length)
         self.rule = rule
-        self.min_length = rule.sequence_length if min_length is None else min_length
+        self.min_length_time_axis = rule.sequence_length if min_length is None else min_length
         self.priorities = None if alpha is None else Priorities(alpha)
 
     def add(self, steps: Mapping[str, np.ndarray]) -> None:
@@ -278,7 +278,9 @@ class BufferReference:
     def ready(self) -> bool:
         """`can_sample()`: the counters only."""
         rule = self.rule
-        return can_sample(self.history, rule.sequence_length, rule.period, self.min_length)
+        return can_sample(
+            self.history, rule.sequence_length, rule.period, self.min_length_time_axis
+        )
 
     def refusal(self) -> str | None:
         """Why `sample` must raise now, or None: "too early" (`can_sample()` is false), "no

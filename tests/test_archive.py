@@ -77,9 +77,9 @@ def location(request, tmp_path, monkeypatch) -> Location:
     return Location(zarr.storage.MemoryStore(), shard_steps=8)
 
 
-def new_buffer(rows: int = ROWS, max_length: int = MAX_LENGTH) -> eb.TrajectoryBuffer:
+def new_buffer(rows: int = ROWS, max_length_time_axis: int = MAX_LENGTH) -> eb.TrajectoryBuffer:
     return eb.TrajectoryBuffer(
-        example(), add_batch_size=rows, max_length=max_length, sequence_length=2
+        example(), add_batch_size=rows, max_length_time_axis=max_length_time_axis, sequence_length=2
     )
 
 
@@ -213,7 +213,7 @@ def test_schema_mismatch_names_the_leaves(location):
     other = eb.TrajectoryBuffer(
         {"obs": jnp.zeros(5, jnp.float32), "flag": jnp.zeros((), jnp.float32), "x": jnp.int32(0)},
         add_batch_size=3,
-        max_length=8,
+        max_length_time_axis=8,
         sequence_length=1,
     )
     with pytest.raises(ValueError) as info:
@@ -238,8 +238,8 @@ def test_out_of_range_reads_are_clear_errors(location):
             archive.read(rows=[2])
         with pytest.raises(ValueError, match="no window of sequence_length=11"):
             archive.sample(0, 4, 11)
-        with pytest.raises(ValueError, match="do not fit in the buffer's max_length=4"):
-            archive.load(new_buffer(max_length=4), 0, 10)
+        with pytest.raises(ValueError, match="do not fit in the buffer's max_length_time_axis=4"):
+            archive.load(new_buffer(max_length_time_axis=4), 0, 10)
 
 
 def test_one_writer_at_a_time_any_number_of_readers(location):
@@ -333,7 +333,9 @@ def test_load_into_a_trajectory_buffer_for_offline_training(location, getkey):
         for _ in range(2):
             buffer = real_add(buffer, 20)  # a real buffer's add, end to end
             archive.write(buffer)
-        offline = eb.TrajectoryBuffer(example(), add_batch_size=1, max_length=16, sequence_length=4)
+        offline = eb.TrajectoryBuffer(
+            example(), add_batch_size=1, max_length_time_axis=16, sequence_length=4
+        )
         offline = archive.load(offline, 22, 38, rows=[1])
         assert offline.storage.steps_added() == 38 and int(offline.storage.fill) == 16
         sample = offline.sample(getkey(), 64)
@@ -448,7 +450,7 @@ def test_compression_and_chunk_options(tmp_path):
     big = eb.TrajectoryBuffer(
         {"img": jnp.zeros((16, 16, 3), jnp.uint8)},
         add_batch_size=2,
-        max_length=64,
+        max_length_time_axis=64,
         sequence_length=1,
     )
     img = np.zeros((2, 64, 16, 16, 3), np.uint8)

@@ -53,11 +53,15 @@ def _check_sample(buffer, ref: ReferenceRing, sample: eb.Sample, sequence: bool)
 def _make(kind, rows, length, seq, period):
     if kind == "trajectory":
         return eb.TrajectoryBuffer(
-            _example(), add_batch_size=rows, max_length=length, sequence_length=seq, period=period
+            _example(),
+            add_batch_size=rows,
+            max_length_time_axis=length,
+            sequence_length=seq,
+            period=period,
         )
     if kind == "transition":
-        return eb.TransitionBuffer(_example(), add_batch_size=rows, max_length=length)
-    return eb.ItemBuffer(_example(), add_batch_size=rows, max_length=length)
+        return eb.TransitionBuffer(_example(), add_batch_size=rows, max_length_time_axis=length)
+    return eb.ItemBuffer(_example(), add_batch_size=rows, max_length_time_axis=length)
 
 
 class BufferMachine(CountedMachine):
@@ -104,7 +108,9 @@ class BufferMachine(CountedMachine):
         assert int(b.storage.fill) == ref.fill
         assert int(b.size()) == ref.fill * ref.rows
         assert int(b.num_windows()) == len(ref.valid_starts()) * ref.rows
-        assert bool(b.can_sample()) == (ref.fill >= b.min_length and bool(ref.valid_starts()))
+        assert bool(b.can_sample()) == (
+            ref.fill >= b.min_length_time_axis and bool(ref.valid_starts())
+        )
 
 
 BufferMachine.TestCase.settings = stateful_settings(max_examples=15, stateful_step_count=10)
@@ -155,7 +161,7 @@ def test_sampling_is_uniform_over_valid_windows(kind, seq, period):
 
 def test_period_windows_start_at_multiples_of_period():
     buffer = eb.TrajectoryBuffer(
-        _example(), add_batch_size=1, max_length=10, sequence_length=3, period=4
+        _example(), add_batch_size=1, max_length_time_axis=10, sequence_length=3, period=4
     )
     buffer = buffer.add(_batch(1, 0, 13))  # holds steps 3..12; starts 4 and 8 are valid
     steps = np.asarray(buffer.sample(jax.random.key(0), 200).steps)
@@ -164,9 +170,9 @@ def test_period_windows_start_at_multiples_of_period():
 
 def test_capacity_rounds_up_never_down():
     buffer = eb.TransitionBuffer(_example(), add_batch_size=4, capacity=10)
-    assert buffer.max_length == 3 and buffer.capacity == 12 >= 10
+    assert buffer.max_length_time_axis == 3 and buffer.capacity == 12 >= 10
     exact = eb.ItemBuffer(_example(), add_batch_size=4, max_size=12)
-    assert exact.max_length == 3 and exact.capacity == 12
+    assert exact.max_length_time_axis == 3 and exact.capacity == 12
 
 
 def test_storage_is_not_tied_to_number_of_envs():

@@ -21,7 +21,8 @@ def _steps(done):
 def test_prioritised_n_step_transitions():
     example = {"t": jnp.int32(0), "reward": jnp.float32(0),
                "terminated": jnp.bool_(False), "truncated": jnp.bool_(False)}  # fmt: skip
-    buffer = eb.PrioritisedTransitionBuffer(example, add_batch_size=1, max_length=16, n_step=3,
+    buffer = eb.PrioritisedTransitionBuffer(example, add_batch_size=1, max_length_time_axis=16,
+                                            n_step=3,
                                             discount=0.5, alpha=1.0)  # fmt: skip
     done = np.zeros((1, 10), bool)
     done[0, 4] = True  # an episode ends at step 4
@@ -42,7 +43,9 @@ def test_prioritised_n_step_transitions():
 
 def test_episode_aware_pairs_never_cross():
     example = {"t": jnp.int32(0), "done": jnp.bool_(False)}
-    buffer = eb.TransitionBuffer(example, add_batch_size=1, max_length=16, episode_end="done")
+    buffer = eb.TransitionBuffer(
+        example, add_batch_size=1, max_length_time_axis=16, episode_end="done"
+    )
     done = np.zeros((1, 10), bool)
     done[0, 4] = True
     buffer = buffer.add({"t": jnp.arange(10, dtype=jnp.int32)[None], "done": jnp.asarray(done)})
@@ -57,8 +60,9 @@ def test_terminal_n_step_transitions_are_sampled_in_pad_mode():
     ones included, is sampled; nothing past the end is returned."""
     example = {"t": jnp.int32(0), "reward": jnp.float32(0),
                "terminated": jnp.bool_(False), "truncated": jnp.bool_(False)}  # fmt: skip
-    buffer = eb.TransitionBuffer(example, add_batch_size=2, max_length=8, n_step=3, discount=0.5,
-                                 episode_end="terminated", mode="pad", min_length=4)  # fmt: skip
+    buffer = eb.TransitionBuffer(example, add_batch_size=2, max_length_time_axis=8, n_step=3,
+                                 discount=0.5, episode_end="terminated", mode="pad",
+                                 min_length_time_axis=4)  # fmt: skip
     done = np.zeros((2, 6), bool)
     done[:, 5] = True
     buffer = buffer.add(_steps(done))

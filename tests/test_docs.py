@@ -62,21 +62,9 @@ def test_readme_python_blocks_run(code, capsys):
         assert capsys.readouterr().out.strip() == "1.0"
 
 
-# A block that starts with this comment uses the size arguments named as in Flashbax
-# (`max_length_time_axis`, `min_length_time_axis` per row; `max_length`, `min_length` as totals
-# on the transition and item buffers): it runs once the constructors take those names.
-FLASHBAX_NAMES = "# needs Flashbax's size names"
-
-
-def _has_flashbax_names() -> bool:
-    return "max_length_time_axis" in inspect.signature(eb.TrajectoryBuffer.__init__).parameters
-
-
 @pytest.mark.parametrize(("code", "page"), _docs_blocks())
 def test_docs_python_blocks_run(code, page):
     """Each block of a page runs on its own (a page's blocks must be self-contained)."""
-    if code.startswith(FLASHBAX_NAMES) and not _has_flashbax_names():
-        pytest.skip("needs the Flashbax size names (max_length_time_axis, ...), not in yet")
     exec(compile(code, f"docs/{page}", "exec"), {})
 
 

@@ -26,7 +26,9 @@ def _steps(rows, value, t=None):
 
 def _buffers():
     return [
-        eb.TrajectoryBuffer(EXAMPLE, add_batch_size=4, max_length=16, sequence_length=4, period=2),
+        eb.TrajectoryBuffer(
+            EXAMPLE, add_batch_size=4, max_length_time_axis=16, sequence_length=4, period=2
+        ),
         eb.TransitionBuffer(EXAMPLE, add_batch_size=4, capacity=64),
         eb.ItemBuffer(EXAMPLE, add_batch_size=4, capacity=64),
     ]
@@ -60,11 +62,11 @@ def test_train_state_under_donating_jit_traces_once(buffer):
         state = step(state, jax.random.key(i))
         means.append(float(state.last_mean))
     assert state.buffer.storage.steps_added() == 25
-    # -1 until `min_length` steps are held (the cond skipped sampling), then real data.
-    ready = state.buffer.min_length - 1
+    # -1 until `min_length_time_axis` steps are held (the cond skipped sampling), then real data.
+    ready = state.buffer.min_length_time_axis - 1
     assert means[:ready] == [-1.0] * ready and means[ready] >= 0 and means[-1] > 0
     stored = np.asarray(state.buffer.storage.data["action"])
-    held = min(25, state.buffer.max_length)
+    held = min(25, state.buffer.max_length_time_axis)
     assert sorted(set(stored.ravel().tolist())) == list(range(25 - held, 25))
 
 
@@ -113,7 +115,9 @@ def test_vmapped_training_run_with_can_sample_cond():
     error in `sample` does not fire at step 0."""
 
     def train(seed):
-        buffer = eb.TrajectoryBuffer(EXAMPLE, add_batch_size=2, max_length=8, sequence_length=3)
+        buffer = eb.TrajectoryBuffer(
+            EXAMPLE, add_batch_size=2, max_length_time_axis=8, sequence_length=3
+        )
         key = jax.random.key(seed)
 
         def body(carry, t):

@@ -39,8 +39,8 @@ def _example():
 def _make(cls: type, mode: Any) -> Any:
     kw: dict[str, Any] = {"alpha": ALPHA} if cls is Prioritised else {}
     return cls(
-        _example(), add_batch_size=ROWS, max_length=LENGTH, sequence_length=S, period=PERIOD,
-        mode=mode, **kw,
+        _example(), add_batch_size=ROWS, max_length_time_axis=LENGTH, sequence_length=S,
+        period=PERIOD, mode=mode, **kw,
     )  # fmt: skip
 
 
@@ -376,7 +376,7 @@ def _end_of(step):
 def test_episode_end_function_and_update():
     example = {"x": jnp.int32(0), "terminated": jnp.bool_(False), "truncated": jnp.bool_(False)}
     buffer = EpisodeTrajectoryBuffer(
-        example, add_batch_size=1, max_length=8, sequence_length=3, episode_end=_end_of
+        example, add_batch_size=1, max_length_time_axis=8, sequence_length=3, episode_end=_end_of
     )
     add = eqx.filter_jit(lambda b, batch: b.add(batch))
     # 10 steps into a ring of 8: only steps 2-9 are kept. Ends at 3 and 5.
@@ -441,9 +441,11 @@ def test_vmapped_training_with_can_sample_cond():
 
     def train(seed):
         key = jax.random.key(seed)
-        uniform = Uniform(_example(), add_batch_size=rows, max_length=32, sequence_length=6)
+        uniform = Uniform(
+            _example(), add_batch_size=rows, max_length_time_axis=32, sequence_length=6
+        )
         prioritised = Prioritised(
-            _example(), add_batch_size=rows, max_length=32, sequence_length=6, mode="pad"
+            _example(), add_batch_size=rows, max_length_time_axis=32, sequence_length=6, mode="pad"
         )
 
         def step(carry, t):
@@ -488,7 +490,7 @@ def test_vmapped_training_with_can_sample_cond():
 
 
 def test_donated_jit_does_not_retrace(getkey):
-    kw: dict[str, Any] = {"add_batch_size": 2, "max_length": 20, "sequence_length": 4}
+    kw: dict[str, Any] = {"add_batch_size": 2, "max_length_time_axis": 20, "sequence_length": 4}
     example = {"obs": jnp.zeros(3), "done": jnp.bool_(False)}
     uniform = Uniform(example, mode="pad", **kw)
     prioritised = Prioritised(example, mode="pad", **kw)
@@ -520,7 +522,7 @@ def test_motivating_case_scaled(mode, getkey):
     buffer = EpisodeTrajectoryBuffer(
         example, add_batch_size=envs, sequence_length=s, capacity=envs * 160, mode=mode
     )
-    assert buffer.capacity == 16_000 and buffer.max_length == 160
+    assert buffer.capacity == 16_000 and buffer.max_length_time_axis == 160
     # Even envs: one long episode (steps 0-119); odd envs: episodes of 20 steps.
     t = np.arange(120)
     done = np.where(np.arange(envs)[:, None] % 2 == 0, t[None] == 119, t[None] % 20 == 19)
@@ -553,7 +555,7 @@ def test_motivating_case_scaled(mode, getkey):
 
 
 def test_construction_errors():
-    kw: dict[str, Any] = {"add_batch_size": 2, "max_length": 8, "sequence_length": 3}
+    kw: dict[str, Any] = {"add_batch_size": 2, "max_length_time_axis": 8, "sequence_length": 3}
     for make in (Uniform, Prioritised):
         with pytest.raises(ValueError, match=r"episode_end='end'.*\['done'\]"):
             make(_example(), episode_end="end", **kw)
@@ -566,6 +568,6 @@ def test_construction_errors():
         with pytest.raises((ValueError, TypeError), match="mode"):
             make(_example(), mode="clip", **kw)  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="2\\*\\*24"):
-        Uniform(_example(), add_batch_size=1 << 13, max_length=1 << 12, sequence_length=2)
+        Uniform(_example(), add_batch_size=1 << 13, max_length_time_axis=1 << 12, sequence_length=2)
     with pytest.raises(ValueError, match="alpha"):
         Prioritised(_example(), alpha=-1.0, **kw)

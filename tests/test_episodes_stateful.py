@@ -42,19 +42,19 @@ class Config:
     period: int
     alpha: float
     episode_end: Any
-    min_length: int | None = None
+    min_length_time_axis: int | None = None
 
 
 def _make(c: Config) -> Any:
     """The one place the episode-aware buffers are built."""
     kw: dict[str, Any] = dict(
         add_batch_size=c.rows,
-        max_length=c.length,
+        max_length_time_axis=c.length,
         sequence_length=c.sequence_length,
         period=c.period,
         mode=c.mode,
         episode_end=c.episode_end,
-        min_length=c.min_length,
+        min_length_time_axis=c.min_length_time_axis,
     )
     if c.prioritised:
         return eb.PrioritisedEpisodeTrajectoryBuffer(EXAMPLE, alpha=c.alpha, **kw)
@@ -144,7 +144,9 @@ class EpisodeMachine(CountedMachine):
             config.sequence_length, config.period, config.mode, lambda h: h.leaves["done"]
         )
         alpha = config.alpha if config.prioritised else None
-        self.ref = BufferReference(config.rows, config.length, rule, config.min_length, alpha)
+        self.ref = BufferReference(
+            config.rows, config.length, rule, config.min_length_time_axis, alpha
+        )
         self.history, self.rule = self.ref.history, self.ref.rule
         self.priorities = self.ref.priorities or Priorities(0.0)  # (unused when uniform)
         self.key = jax.random.key(seed)

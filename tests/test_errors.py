@@ -12,7 +12,7 @@ EXAMPLE = {"obs": jnp.zeros(3), "action": jnp.int32(0)}
 
 
 def _traj(**kw):
-    args = dict(add_batch_size=4, max_length=10, sequence_length=3)
+    args = dict(add_batch_size=4, max_length_time_axis=10, sequence_length=3)
     args.update(kw)
     return eb.TrajectoryBuffer(EXAMPLE, **args)
 
@@ -86,7 +86,7 @@ def test_errors_also_at_trace_time_under_jit():
 
 def test_sequence_length_larger_than_ring():
     with pytest.raises(
-        ValueError, match=r"sequence_length=11 is larger than the ring \(max_length=10"
+        ValueError, match=r"sequence_length=11 is larger than the ring \(max_length_time_axis=10"
     ):
         _traj(sequence_length=11)
 
@@ -100,18 +100,19 @@ def test_period_below_one():
 def test_min_length_out_of_range(min_length):
     with pytest.raises(
         ValueError,
-        match=f"min_length={min_length} is out of range.*sequence_length=3 and max_length=10",
+        match=f"min_length_time_axis={min_length} is out of range: a row must hold at least "
+        "the 3 steps one sample spans and at most the 10 steps it keeps",
     ):
-        _traj(min_length=min_length)
+        _traj(min_length_time_axis=min_length)
 
 
 @pytest.mark.parametrize(
     "kw,name",
     [
         (dict(add_batch_size=0), "add_batch_size"),
-        (dict(max_length=0), "max_length"),
-        (dict(max_length=None, capacity=-5), "capacity"),
-        (dict(max_length=None, max_size=0), "max_size"),
+        (dict(max_length_time_axis=0), "max_length_time_axis"),
+        (dict(max_length_time_axis=None, capacity=-5), "capacity"),
+        (dict(max_length_time_axis=None, max_size=0), "max_size"),
         (dict(sequence_length=0), "sequence_length"),
     ],
 )
@@ -121,22 +122,35 @@ def test_non_positive_sizes(kw, name):
 
 
 def test_exactly_one_size():
-    with pytest.raises(TypeError, match="give exactly one of `max_length`"):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "TrajectoryBuffer(): give only one of `capacity` (alias `max_size`), steps in total, "
+            "or `max_length_time_axis`, per row, got {'capacity': 100, 'max_length_time_axis': 10}."
+        ),
+    ):
         _traj(capacity=100)
-    with pytest.raises(TypeError, match="give exactly one of `max_length`"):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "TransitionBuffer(): give the buffer's size: `capacity` (alias `max_size`, "
+            "`max_length`), steps in total, or `max_length_time_axis`, steps per row."
+        ),
+    ):
         eb.TransitionBuffer(EXAMPLE, add_batch_size=2)
 
 
 def test_transition_buffer_needs_two_steps_per_row():
     with pytest.raises(
-        ValueError, match=r"sequence_length=2 is larger than the ring \(max_length=1"
+        ValueError,
+        match=r"2 steps \(one transition\) is larger than the ring \(max_length_time_axis=1 ",
     ):
         eb.TransitionBuffer(EXAMPLE, add_batch_size=4, capacity=4)
 
 
 def test_example_leaf_must_be_an_array():
     with pytest.raises(TypeError, match=r"example leaf \['reward'\] is float 0.0"):
-        eb.ItemBuffer({"reward": 0.0}, add_batch_size=1, max_length=2)
+        eb.ItemBuffer({"reward": 0.0}, add_batch_size=1, max_length_time_axis=2)
 
 
 def test_sample_batch_size_must_be_positive():

@@ -46,8 +46,10 @@ def test_largest_remainder_against_reference(props, batch_size):
 def test_shares_sources_and_per_source_distributions():
     """Uniform source: uniform over its items; prioritised source: p**alpha; each row is
     labelled with its source and comes from it."""
-    uniform, _ = _filled(ItemBuffer(EXAMPLE, add_batch_size=2, max_length=8), 0, 5)
-    prio, tags = _filled(PrioritisedItemBuffer(EXAMPLE, add_batch_size=2, max_length=8), 10**6, 4)
+    uniform, _ = _filled(ItemBuffer(EXAMPLE, add_batch_size=2, max_length_time_axis=8), 0, 5)
+    prio, tags = _filled(
+        PrioritisedItemBuffer(EXAMPLE, add_batch_size=2, max_length_time_axis=8), 10**6, 4
+    )
     # Priorities 1..8 on the 8 held items (row-major: flat index row * 8 + slot).
     indices = jnp.asarray([r * 8 + s for r in range(2) for s in range(4)], jnp.int32)
     priorities = jnp.arange(1, 9, dtype=jnp.float32)
@@ -81,8 +83,10 @@ def test_shares_sources_and_per_source_distributions():
 
 
 def test_set_priorities_are_routed_to_their_source():
-    uniform, _ = _filled(ItemBuffer(EXAMPLE, add_batch_size=1, max_length=8), 0, 4)
-    prio, _ = _filled(PrioritisedItemBuffer(EXAMPLE, add_batch_size=1, max_length=8), 100, 4)
+    uniform, _ = _filled(ItemBuffer(EXAMPLE, add_batch_size=1, max_length_time_axis=8), 0, 4)
+    prio, _ = _filled(
+        PrioritisedItemBuffer(EXAMPLE, add_batch_size=1, max_length_time_axis=8), 100, 4
+    )
     mixer = Mixer((uniform, prio), proportions=(0.5, 0.5))
     s = mixer.sample(jax.random.key(0), 8)
     mixer = mixer.set_priorities(s, jnp.arange(8, dtype=jnp.float32))
@@ -96,20 +100,20 @@ def test_set_priorities_are_routed_to_their_source():
 
 
 def test_zero_share_source_is_skipped_and_mixed_kinds_refused():
-    a, _ = _filled(ItemBuffer(EXAMPLE, add_batch_size=1, max_length=4), 0, 2)
-    b = ItemBuffer(EXAMPLE, add_batch_size=1, max_length=4)  # empty but never drawn
+    a, _ = _filled(ItemBuffer(EXAMPLE, add_batch_size=1, max_length_time_axis=4), 0, 2)
+    b = ItemBuffer(EXAMPLE, add_batch_size=1, max_length_time_axis=4)  # empty but never drawn
     mixer = Mixer((a, b), proportions=(1.0, 0.0))
     s = mixer.sample(jax.random.key(0), 4)
     assert s.samples[1] is None and bool(mixer.can_sample())
     traj, _ = _filled(
-        TrajectoryBuffer(EXAMPLE, add_batch_size=1, max_length=4, sequence_length=2), 0, 3
+        TrajectoryBuffer(EXAMPLE, add_batch_size=1, max_length_time_axis=4, sequence_length=2), 0, 3
     )
     with pytest.raises(ValueError, match=r"leaf \['x'\] is int32\[2\] per row in buffers\[1\]"):
         Mixer((a, traj), proportions=(0.5, 0.5)).sample(jax.random.key(0), 4)
 
 
 def test_bad_proportions():
-    a = ItemBuffer(EXAMPLE, add_batch_size=1, max_length=4)
+    a = ItemBuffer(EXAMPLE, add_batch_size=1, max_length_time_axis=4)
     with pytest.raises(ValueError, match="must sum to 1"):
         Mixer((a, a), proportions=(0.5, 0.4))
     with pytest.raises(ValueError, match="2 proportions for 1 buffers"):
@@ -121,8 +125,8 @@ def test_bad_proportions():
 
 
 def test_empty_source_raises_inside_jit():
-    a, _ = _filled(ItemBuffer(EXAMPLE, add_batch_size=1, max_length=4), 0, 2)
-    b = ItemBuffer(EXAMPLE, add_batch_size=1, max_length=4)
+    a, _ = _filled(ItemBuffer(EXAMPLE, add_batch_size=1, max_length_time_axis=4), 0, 2)
+    b = ItemBuffer(EXAMPLE, add_batch_size=1, max_length_time_axis=4)
     mixer = Mixer((a, b), proportions=(0.5, 0.5))
     assert not bool(mixer.can_sample())
     with pytest.raises(eqx.EquinoxRuntimeError, match="cannot be sampled yet"):
@@ -143,8 +147,10 @@ def test_in_a_donating_train_step_traces_once():
         mixer = mixer.set_priorities(s, jnp.ones(8, jnp.float32))
         return State(mixer, state.total + jnp.sum(s.experience["x"]))
 
-    online = ItemBuffer(EXAMPLE, add_batch_size=2, max_length=16)
-    offline, _ = _filled(PrioritisedItemBuffer(EXAMPLE, add_batch_size=2, max_length=8), 0, 8)
+    online = ItemBuffer(EXAMPLE, add_batch_size=2, max_length_time_axis=16)
+    offline, _ = _filled(
+        PrioritisedItemBuffer(EXAMPLE, add_batch_size=2, max_length_time_axis=8), 0, 8
+    )
     state = State(Mixer((online, offline), proportions=(0.5, 0.5)), jnp.int32(0))
     for i in range(5):
         state = step(state, jax.random.key(i), jnp.int32(i))

@@ -78,9 +78,9 @@ def test_buffer_matches_python_reference(n, getkey):
     rng = np.random.default_rng(10 + n)
     g, rows, length = 0.8, 2, 11
     buffer = eb.TransitionBuffer(
-        _example(), add_batch_size=rows, max_length=length, n_step=n, discount=g
+        _example(), add_batch_size=rows, max_length_time_axis=length, n_step=n, discount=g
     )
-    assert buffer.sequence_length == n + 1 and buffer.min_length == n + 1
+    assert buffer.sequence_length == n + 1 and buffer.min_length_time_axis == n + 1
     history = _episodes(rng, rows, 30)
     sample_fn = eqx.filter_jit(lambda b, k: b.sample(k, 128))
     added = 0
@@ -101,7 +101,9 @@ def test_buffer_matches_python_reference(n, getkey):
 def test_trajectory_buffer_sequences_give_the_same_values(getkey):
     rng = np.random.default_rng(0)
     history = _episodes(rng, 2, 20)
-    buffer = eb.TrajectoryBuffer(_example(), add_batch_size=2, max_length=20, sequence_length=4)
+    buffer = eb.TrajectoryBuffer(
+        _example(), add_batch_size=2, max_length_time_axis=20, sequence_length=4
+    )
     buffer = buffer.add(jax.tree.map(jnp.asarray, history))
     sample = buffer.sample(getkey(), 64)
     out = n_step_transition(sample.experience, 3, 0.5)
@@ -127,25 +129,25 @@ def test_truncation_keeps_bootstrap_termination_cuts_it():
 def test_errors():
     ex = _example()
     with pytest.raises(ValueError, match="`n_step` must be at least 1"):
-        eb.TransitionBuffer(ex, add_batch_size=1, max_length=8, n_step=0, discount=0.9)
+        eb.TransitionBuffer(ex, add_batch_size=1, max_length_time_axis=8, n_step=0, discount=0.9)
     with pytest.raises(TypeError, match="give both `n_step` and `discount`"):
-        eb.TransitionBuffer(ex, add_batch_size=1, max_length=8, n_step=2)
+        eb.TransitionBuffer(ex, add_batch_size=1, max_length_time_axis=8, n_step=2)
     with pytest.raises(ValueError, match="`discount` must be between 0 and 1"):
-        eb.TransitionBuffer(ex, add_batch_size=1, max_length=8, n_step=2, discount=1.5)
-    with pytest.raises(ValueError, match="sequence_length=6 is larger than the ring"):
-        eb.TransitionBuffer(ex, add_batch_size=1, max_length=5, n_step=5, discount=0.9)
+        eb.TransitionBuffer(ex, add_batch_size=1, max_length_time_axis=8, n_step=2, discount=1.5)
+    with pytest.raises(ValueError, match=r"n_step \+ 1 = 6 steps is larger than the ring"):
+        eb.TransitionBuffer(ex, add_batch_size=1, max_length_time_axis=5, n_step=5, discount=0.9)
     with pytest.raises(ValueError, match="no leaf 'done'; .* `terminated=`"):
         eb.TransitionBuffer(
-            ex, add_batch_size=1, max_length=8, n_step=2, discount=0.9, terminated="done"
+            ex, add_batch_size=1, max_length_time_axis=8, n_step=2, discount=0.9, terminated="done"
         )
     bad = dict(ex, truncated=jnp.int32(0))
     with pytest.raises(
         TypeError, match="leaf 'truncated' .* must be a scalar bool per step, got int32"
     ):
-        eb.TransitionBuffer(bad, add_batch_size=1, max_length=8, n_step=2, discount=0.9)
+        eb.TransitionBuffer(bad, add_batch_size=1, max_length_time_axis=8, n_step=2, discount=0.9)
     bad = dict(ex, reward=jnp.int32(0))
     with pytest.raises(TypeError, match="leaf 'reward' .* must be a scalar float"):
-        eb.TransitionBuffer(bad, add_batch_size=1, max_length=8, n_step=2, discount=0.9)
+        eb.TransitionBuffer(bad, add_batch_size=1, max_length_time_axis=8, n_step=2, discount=0.9)
     seq = jax.tree.map(lambda x: jnp.zeros((4, 3, *x.shape), x.dtype), ex)
     with pytest.raises(ValueError, match=r"expected \(batch, n \+ 1 = 4"):
         n_step_transition(seq, 3, 0.9)
@@ -154,7 +156,9 @@ def test_errors():
     seq.pop("terminated")
     with pytest.raises(ValueError, match="no leaf 'terminated'"):
         n_step_transition(seq, 2, 0.9)
-    buffer = eb.TransitionBuffer(ex, add_batch_size=1, max_length=8, n_step=3, discount=0.9)
+    buffer = eb.TransitionBuffer(
+        ex, add_batch_size=1, max_length_time_axis=8, n_step=3, discount=0.9
+    )
     buffer = buffer.add(jax.tree.map(lambda x: jnp.zeros((1, 3, *x.shape), x.dtype), ex))
     with pytest.raises(eqx.EquinoxRuntimeError, match="n_step \\+ 1 = 4"):
         eqx.filter_jit(lambda b: b.sample(jax.random.key(0), 4))(buffer)
@@ -174,7 +178,7 @@ def test_donating_jit_traces_once():
         return buffer, value
 
     buffer = eb.TransitionBuffer(
-        _example(), add_batch_size=2, max_length=16, n_step=3, discount=0.9
+        _example(), add_batch_size=2, max_length_time_axis=16, n_step=3, discount=0.9
     )
     rng = np.random.default_rng(0)
     for i in range(8):

@@ -31,7 +31,7 @@ class Config:
     discount: float
     truncated: str | None  # the leaf the buffer reads as truncations (None: none)
     truncated_leaf: bool  # whether the steps have a `truncated` leaf at all
-    min_length: int | None = None
+    min_length_time_axis: int | None = None
 
 
 def _example(c: Config) -> dict[str, Any]:
@@ -51,8 +51,8 @@ def _make(c: Config) -> eb.TransitionBuffer:
     return eb.TransitionBuffer(
         _example(c),
         add_batch_size=c.rows,
-        max_length=c.length,
-        min_length=c.min_length,
+        max_length_time_axis=c.length,
+        min_length_time_axis=c.min_length_time_axis,
         n_step=c.n,
         discount=c.discount,
         truncated=c.truncated,
@@ -63,7 +63,7 @@ CONFIGS = [
     Config(2, 5, 2, 0.9, "truncated", True),
     Config(1, 4, 1, 0.5, "truncated", True),
     Config(2, 5, 3, 0.75, None, False),  # no truncated leaf
-    Config(3, 6, 3, 1.0, "truncated", True, min_length=5),
+    Config(3, 6, 3, 1.0, "truncated", True, min_length_time_axis=5),
     Config(2, 3, 2, 0.0, None, True),  # n + 1 == max_length; discount 0; leaf ignored
     Config(1, 7, 4, 0.9, "truncated", True),
 ]
@@ -102,7 +102,7 @@ class NStepMachine(CountedMachine):
 
     def _ready(self) -> bool:
         c = self.c
-        return can_sample(self.history, c.n + 1, 1, c.min_length or c.n + 1)
+        return can_sample(self.history, c.n + 1, 1, c.min_length_time_axis or c.n + 1)
 
     @rule(t=st.sampled_from(ADD_STEPS), data=st.data())
     def add(self, t: int | None, data: st.DataObject):

@@ -35,13 +35,13 @@ def _make(kind, rows, length, seq=1, period=1, alpha=0.6):
         return PrioritisedTrajectoryBuffer(
             _example(),
             add_batch_size=rows,
-            max_length=length,
+            max_length_time_axis=length,
             sequence_length=seq,
             period=period,
             alpha=alpha,
         )
     cls = {"transition": PrioritisedTransitionBuffer, "item": PrioritisedItemBuffer}[kind]
-    return cls(_example(), add_batch_size=rows, max_length=length, alpha=alpha)
+    return cls(_example(), add_batch_size=rows, max_length_time_axis=length, alpha=alpha)
 
 
 def _tags(sample, kind):
@@ -292,7 +292,9 @@ def test_all_priorities_zero_makes_sample_raise_not_can_sample():
 
 
 def _ref_for(buffer, steps):
-    ref = ReferenceRing(buffer.add_batch_size, buffer.max_length, buffer.sequence_length, 1)
+    ref = ReferenceRing(
+        buffer.add_batch_size, buffer.max_length_time_axis, buffer.sequence_length, 1
+    )
     ref.add(np.zeros((buffer.add_batch_size, steps)))
     return ref
 
@@ -319,7 +321,7 @@ def test_argument_errors():
         buffer.set_priorities(sample.indices, jnp.ones(2))
     with pytest.raises(ValueError, match="`beta` must be finite and >= 0"):
         buffer.sample(jax.random.key(0), 2, beta=-0.5)
-    with pytest.raises(Exception, match=r"add_batch_size \* max_length=4"):
+    with pytest.raises(Exception, match=r"add_batch_size \* max_length_time_axis=4"):
         buffer.set_priorities(jnp.array([4, 0]), jnp.ones(2), steps=sample.steps)
     for alpha, error in ((-1.0, ValueError), (float("nan"), ValueError), (True, TypeError)):
         with pytest.raises(error, match="alpha"):
@@ -351,7 +353,7 @@ def test_vmapped_training_run_with_cond_on_can_sample():
     `can_sample` stays unbatched (counters only), so the empty buffer is never sampled."""
 
     def train(seed):
-        buffer = PrioritisedTransitionBuffer(_example(), add_batch_size=2, max_length=16)
+        buffer = PrioritisedTransitionBuffer(_example(), add_batch_size=2, max_length_time_axis=16)
 
         def step(carry, t):
             buffer, key = carry

@@ -46,7 +46,9 @@ class QueueMachine(CountedMachine):
     )
     def setup(self, rows, length, data, items):
         seq = 1 if items else data.draw(st.integers(1, length))
-        self.queue = Queue(_example(), add_batch_size=rows, max_length=length, sequence_length=seq)
+        self.queue = Queue(
+            _example(), add_batch_size=rows, max_length_time_axis=length, sequence_length=seq
+        )
         self.rows, self.length, self.seq = rows, length, seq
         self.ref = [collections.deque() for _ in range(rows)]
         self.added = 0
@@ -104,7 +106,7 @@ test_queue_matches_reference = pytest.mark.stateful(QueueMachine.TestCase)
 
 @pytest.mark.parametrize("length", [6, 5])  # reads never wrap / reads that wrap the ring
 def test_every_step_comes_out_once_in_order(length):
-    queue = Queue(_example(), add_batch_size=2, max_length=length, sequence_length=2)
+    queue = Queue(_example(), add_batch_size=2, max_length_time_axis=length, sequence_length=2)
     out = []
     for i in range(10):
         queue = _add(queue, _batch(2, 3 * i, 3))
@@ -118,7 +120,7 @@ def test_every_step_comes_out_once_in_order(length):
 
 
 def test_errors_inside_jit_lose_nothing():
-    queue = Queue(_example(), add_batch_size=1, max_length=4, sequence_length=2)
+    queue = Queue(_example(), add_batch_size=1, max_length_time_axis=4, sequence_length=2)
     with pytest.raises(eqx.EquinoxRuntimeError, match="fewer than sequence_length=2"):
         _sample(queue)
     queue = _add(queue, _batch(1, 0, 3))
@@ -133,16 +135,16 @@ def test_errors_inside_jit_lose_nothing():
 
 def test_bad_configuration_and_input():
     with pytest.raises(ValueError, match="sequence_length=5 is larger than the queue"):
-        Queue(_example(), add_batch_size=1, max_length=4, sequence_length=5)
+        Queue(_example(), add_batch_size=1, max_length_time_axis=4, sequence_length=5)
     with pytest.raises(ValueError, match="`sequence_length` must be at least 1"):
-        Queue(_example(), add_batch_size=1, max_length=4, sequence_length=0)
+        Queue(_example(), add_batch_size=1, max_length_time_axis=4, sequence_length=0)
     queue = Queue(_example(), add_batch_size=2, capacity=8, sequence_length=2)
-    assert queue.max_length == 4 and queue.capacity == 8 and queue.add_batch_size == 2
+    assert queue.max_length_time_axis == 4 and queue.capacity == 8 and queue.add_batch_size == 2
     with pytest.raises(ValueError, match=r"leaf \['obs'\] has shape \(3, 2\)"):
         queue.add({"obs": jnp.zeros((3, 2)), "t": jnp.zeros(3, jnp.int32)})
     with pytest.raises(TypeError, match=r"leaf \['t'\] has dtype float32"):
         queue.add({"obs": jnp.zeros((2, 2)), "t": jnp.zeros(2, jnp.float32)})
-    with pytest.raises(ValueError, match="at most max_length=4"):
+    with pytest.raises(ValueError, match="at most max_length_time_axis=4"):
         queue.add(_batch(2, 0, 5))
     with pytest.raises(ValueError, match="`steps` must be at least 1"):
         queue.can_add(0)
@@ -163,7 +165,7 @@ def test_donating_jit_rollout_loop_traces_once():
 
         return jax.lax.cond(queue.can_sample(), consume, lambda q: (q, jnp.int32(-1)), queue)
 
-    queue = Queue(_example(), add_batch_size=4, max_length=8, sequence_length=4)
+    queue = Queue(_example(), add_batch_size=4, max_length_time_axis=8, sequence_length=4)
     totals = []
     for i in range(6):
         queue, total = step(queue, jnp.int32(10 * i))
@@ -176,7 +178,7 @@ def test_donating_jit_rollout_loop_traces_once():
 
 
 def test_update_touches_written_slots_only():
-    queue = Queue(_example(), add_batch_size=2, max_length=4, sequence_length=2)
+    queue = Queue(_example(), add_batch_size=2, max_length_time_axis=4, sequence_length=2)
     queue = queue.add(_batch(2, 1, 3))
     queue = queue.update(lambda s: {"obs": s["obs"] + 1.0, "t": s["t"] * 2})
     t = np.asarray(queue.storage.data["t"])
@@ -187,7 +189,7 @@ def test_update_touches_written_slots_only():
 
 
 def test_vmapped_queues():
-    queue = Queue(_example(), add_batch_size=1, max_length=4, sequence_length=2)
+    queue = Queue(_example(), add_batch_size=1, max_length_time_axis=4, sequence_length=2)
     queues = eqx.filter_vmap(lambda _: queue, axis_size=3)(jnp.arange(3))
 
     @eqx.filter_vmap

@@ -34,13 +34,17 @@ class Reference:
     def __init__(self, spi, tol, rows, length, sequence_length, period, min_length):
         self.spi, self.tol = Fraction(spi), Fraction(tol)
         self.rows, self.length = rows, length
-        self.sequence_length, self.period, self.min_length = sequence_length, period, min_length
+        self.sequence_length, self.period, self.min_length_time_axis = (
+            sequence_length,
+            period,
+            min_length,
+        )
         self.total = 0  # steps added per row
         self.credit = Fraction(0)
 
     def ready(self) -> bool:
         fill = min(self.total, self.length)
-        if fill < self.min_length:
+        if fill < self.min_length_time_axis:
             return False
         starts = range(self.total - fill, self.total - self.sequence_length + 1)
         return any(s % self.period == 0 for s in starts)
@@ -71,18 +75,24 @@ def _above_2(item):
 # starting at even steps), so the buffer's `can_sample()` turns false again after warm-up.
 CONFIGS = {
     "item": (
-        lambda: eb.ItemBuffer(EXAMPLE, add_batch_size=2, max_length=4, min_length=2),
+        lambda: eb.ItemBuffer(
+            EXAMPLE, add_batch_size=2, max_length_time_axis=4, min_length_time_axis=2
+        ),
         (2, 4, 1, 1, 2),
     ),
     "trajectory": (
         lambda: eb.TrajectoryBuffer(
-            EXAMPLE, add_batch_size=3, max_length=6, sequence_length=2, min_length=3
+            EXAMPLE,
+            add_batch_size=3,
+            max_length_time_axis=6,
+            sequence_length=2,
+            min_length_time_axis=3,
         ),
         (3, 6, 2, 1, 3),
     ),
     "toggling": (
         lambda: eb.TrajectoryBuffer(
-            EXAMPLE, add_batch_size=1, max_length=3, sequence_length=3, period=2
+            EXAMPLE, add_batch_size=1, max_length_time_axis=3, sequence_length=3, period=2
         ),
         (1, 3, 3, 2, 3),
     ),
@@ -188,7 +198,9 @@ def _flag_lists(limited):
 def test_warm_up_rule():
     """Adds before the buffer can be sampled are not counted (and are always allowed); the add
     that makes it sampleable counts all its steps."""
-    buffer = eb.ItemBuffer(EXAMPLE, add_batch_size=2, max_length=8, min_length=3)
+    buffer = eb.ItemBuffer(
+        EXAMPLE, add_batch_size=2, max_length_time_axis=8, min_length_time_axis=3
+    )
     limited = RateLimited(buffer, samples_per_insert=1.0, tolerance=3.0)
     add = eqx.filter_jit(lambda lim, b: lim.add(b))
     sample = eqx.filter_jit(lambda lim, k: lim.sample(k, 3)[0])
@@ -242,7 +254,7 @@ def _run(limited, batch_size, iterations):
 @pytest.mark.parametrize("spi", [0.25, 4.0, 0.1])
 def test_following_the_limiter_achieves_the_ratio(spi):
     rows, batch_size = 4, 8
-    buffer = eb.ItemBuffer(EXAMPLE, add_batch_size=rows, capacity=64, min_length=4)
+    buffer = eb.ItemBuffer(EXAMPLE, add_batch_size=rows, capacity=64, min_length_time_axis=4)
     tol = (batch_size + spi * rows) / 2 + 2.0
     limited = RateLimited(buffer, samples_per_insert=spi, tolerance=tol)
     limited, (act, counted, learn) = _run(limited, batch_size, 3000)
@@ -260,7 +272,7 @@ def test_following_the_limiter_achieves_the_ratio(spi):
     # Every add before the warm-up ended was uncounted, none after it.
     first = int(np.argmax(counted))
     assert not counted[:first].any() and (counted[first:] == act[first:]).all()
-    assert first == buffer.min_length - 1
+    assert first == buffer.min_length_time_axis - 1
 
 
 def test_a_clustered_buffer_is_limited_like_any_buffer():
@@ -332,7 +344,11 @@ def test_vmapped_training_runs_with_cond_on_can_sample():
 
     def train(seed):
         buffer = eb.TrajectoryBuffer(
-            EXAMPLE, add_batch_size=rows, max_length=16, sequence_length=3, min_length=4
+            EXAMPLE,
+            add_batch_size=rows,
+            max_length_time_axis=16,
+            sequence_length=3,
+            min_length_time_axis=4,
         )
         limited = RateLimited(buffer, samples_per_insert=1.0, tolerance=3.0)
 
@@ -413,7 +429,7 @@ def _typed(name: str) -> str:
 
 
 def test_bad_configuration():
-    queue = eb.Queue(EXAMPLE, add_batch_size=2, max_length=4, sequence_length=2)
+    queue = eb.Queue(EXAMPLE, add_batch_size=2, max_length_time_axis=4, sequence_length=2)
     # Beartype (on in the tests) refuses it first; without it the constructor does.
     with pytest.raises(TypeError, match="must be a replay buffer.*got Queue|parameter 'buffer'"):
         RateLimited(queue, 1.0, 4.0)  # pyright: ignore[reportArgumentType]

@@ -49,11 +49,11 @@ SCRIPT = textwrap.dedent(
 
     builders = {
         "trajectory": lambda: eb.TrajectoryBuffer(
-            example, add_batch_size=rows, max_length=12, sequence_length=4),
+            example, add_batch_size=rows, max_length_time_axis=12, sequence_length=4),
         "prioritised": lambda: eb.PrioritisedTrajectoryBuffer(
-            example, add_batch_size=rows, max_length=12, sequence_length=3),
+            example, add_batch_size=rows, max_length_time_axis=12, sequence_length=3),
         "episodes": lambda: eb.EpisodeTrajectoryBuffer(
-            example, add_batch_size=rows, max_length=12, sequence_length=3, mode="pad"),
+            example, add_batch_size=rows, max_length_time_axis=12, sequence_length=3, mode="pad"),
     }
     GATHERED = r"= \\w+\\[([\\d,]*)\\]\\S* all-gather\\("
     assert re.findall(GATHERED, "%a = f32[28,1]{1,0} all-gather(%b), x") == ["28,1"]
@@ -103,7 +103,7 @@ def test_sharded_buffers_match_one_device():
 
 def _buffer(rows: int) -> eb.TrajectoryBuffer:
     return eb.TrajectoryBuffer(
-        {"obs": jnp.zeros(3)}, add_batch_size=rows, max_length=8, sequence_length=2
+        {"obs": jnp.zeros(3)}, add_batch_size=rows, max_length_time_axis=8, sequence_length=2
     )
 
 

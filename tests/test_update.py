@@ -37,12 +37,12 @@ def _update(buffer):
 def test_update_matches_numpy_on_written_slots_only(rows, length, adds, kind):
     if kind == "trajectory":
         buffer = eb.TrajectoryBuffer(
-            _example(), add_batch_size=rows, max_length=length, sequence_length=2
+            _example(), add_batch_size=rows, max_length_time_axis=length, sequence_length=2
         )
     elif kind == "transition":
-        buffer = eb.TransitionBuffer(_example(), add_batch_size=rows, max_length=length)
+        buffer = eb.TransitionBuffer(_example(), add_batch_size=rows, max_length_time_axis=length)
     else:
-        buffer = eb.ItemBuffer(_example(), add_batch_size=rows, max_length=length)
+        buffer = eb.ItemBuffer(_example(), add_batch_size=rows, max_length_time_axis=length)
     total = 0
     rng = np.random.default_rng(len(adds))
     for t in adds:
@@ -70,7 +70,7 @@ def test_update_matches_numpy_on_written_slots_only(rows, length, adds, kind):
 
 
 def test_bad_functions_are_refused_naming_the_leaf():
-    buffer = eb.ItemBuffer(_example(), add_batch_size=1, max_length=4)
+    buffer = eb.ItemBuffer(_example(), add_batch_size=1, max_length_time_axis=4)
     with pytest.raises(ValueError, match=r"leaf \['id'\] with shape \(\) and dtype float32"):
         buffer.update(lambda s: dict(s, id=s["id"].astype(jnp.float32)))
     with pytest.raises(ValueError, match=r"leaf \['obs'\] with shape \(3,\)"):
@@ -88,7 +88,7 @@ def test_donating_jit_traces_once():
         )
         return buffer.update(lambda s: dict(s, reward=s["reward"] * scale))
 
-    buffer = eb.TransitionBuffer(_example(), add_batch_size=2, max_length=4)
+    buffer = eb.TransitionBuffer(_example(), add_batch_size=2, max_length_time_axis=4)
     for _ in range(3):
         buffer = step(buffer, jnp.float32(2.0))
     np.testing.assert_array_equal(np.asarray(buffer.storage.data["reward"])[0], [8, 4, 2, 0])

@@ -75,7 +75,7 @@ def _clusters(item: dict) -> jax.Array:
     return (item["action"] % 2).astype(jnp.int32)
 
 
-kw = dict(add_batch_size=ROWS, max_length=12)
+kw = dict(add_batch_size=ROWS, max_length_time_axis=12)
 CASES: dict[str, tuple[Callable[[], Any], Callable[[Any, jax.Array], tuple[Any, Any]]]] = {
     "trajectory": (lambda: eb.TrajectoryBuffer(EXAMPLE, sequence_length=2, **kw), _uniform),
     "transition": (lambda: eb.TransitionBuffer(EXAMPLE, **kw), _uniform),
@@ -103,7 +103,7 @@ CASES: dict[str, tuple[Callable[[], Any], Callable[[Any, jax.Array], tuple[Any, 
         _prioritised,
     ),
     "queue": (
-        lambda: eb.Queue(EXAMPLE, add_batch_size=ROWS, max_length=6, sequence_length=T),
+        lambda: eb.Queue(EXAMPLE, add_batch_size=ROWS, max_length_time_axis=6, sequence_length=T),
         _queue,
     ),
     "clustered": (
@@ -179,7 +179,9 @@ def test_sum_tree_and_n_step_function():
 
 
 def test_archive_round_trip(tmp_path):
-    buffer = eb.TrajectoryBuffer(EXAMPLE, add_batch_size=ROWS, max_length=8, sequence_length=2)
+    buffer = eb.TrajectoryBuffer(
+        EXAMPLE, add_batch_size=ROWS, max_length_time_axis=8, sequence_length=2
+    )
     buffer = eqx.filter_jit(lambda b, i: b.add(_batch(i)))(buffer, jnp.int32(0))
     with eb.Archive(str(tmp_path / "a"), buffer, progress=False) as archive:
         assert archive.write(buffer) == T
@@ -187,7 +189,9 @@ def test_archive_round_trip(tmp_path):
     back = reader.read()
     assert back["obs"].dtype == np.float32 and back["action"].dtype == np.int32
     np.testing.assert_array_equal(back["action"], np.asarray(_batch(jnp.int32(0))["action"]))
-    fresh = eb.TrajectoryBuffer(EXAMPLE, add_batch_size=ROWS, max_length=8, sequence_length=2)
+    fresh = eb.TrajectoryBuffer(
+        EXAMPLE, add_batch_size=ROWS, max_length_time_axis=8, sequence_length=2
+    )
     restored = reader.restore(fresh)
     assert _dtypes(restored) == _dtypes(fresh)
     assert restored.storage.steps_added() == T

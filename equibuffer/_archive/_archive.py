@@ -39,7 +39,8 @@ class Archive:
 
     Each leaf of the experience tree is stored as one array `(rows, time, *leaf)`; `write`
     appends exactly the steps added to a buffer since the last write, so a training loop
-    calls it every so often (at least once every `max_length` steps, or steps are lost, which
+    calls it every so often (at least once every `max_length_time_axis` steps, or steps are lost,
+                             which
     is never silent). Reads give NumPy arrays back (`eb.as_jax` makes them JAX arrays), fill
     a buffer, or sample random windows reading only the chunks they touch.
 
@@ -119,7 +120,7 @@ class Archive:
     steps (46 MB/s), 18 ms per write of 256 steps (340 MB/s), against 520 to 580 MB/s for
     writes of 2048 steps; 7 ms per write of 1 or 16 steps with `shard_steps=0` (one object
     per chunk). So write in blocks of hundreds of steps or more where you can (once every
-    `max_length` steps is the natural rhythm); for frequent small writes choose a small
+    `max_length_time_axis` steps is the natural rhythm); for frequent small writes choose a small
     `shard_steps` (or `0`), whose rewrite is cheaper. `write_async` takes all of it but the
     copy of the new steps off the training loop (12 ms instead of 94 ms per write of 2048
     steps of 8 uint8 frames).
@@ -131,7 +132,8 @@ class Archive:
         ```python
         import equibuffer as eb, jax, jax.numpy as jnp, tempfile
 
-        buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(3)}, add_batch_size=2, max_length=16,
+        buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(3)}, add_batch_size=2,
+                                     max_length_time_axis=16,
                                      sequence_length=4)
         path = tempfile.mkdtemp() + "/run.zarr"
         with eb.Archive(path, buffer) as archive:
@@ -245,7 +247,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
             buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length=16, sequence_length=1)
+                                         max_length_time_axis=16, sequence_length=1)
             path = tempfile.mkdtemp() + "/run.zarr"
             with eb.Archive(path, buffer) as writer:
                 reader = eb.Archive(path, mode="r")
@@ -268,7 +270,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
             buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length=16, sequence_length=1)
+                                         max_length_time_axis=16, sequence_length=1)
             path = tempfile.mkdtemp() + "/run.zarr"
             archive = eb.Archive(path, buffer)
             archive.write(buffer.add({"x": jnp.arange(4.0)[None]}))
@@ -304,7 +306,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, zarr
 
             buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length=4, sequence_length=1)
+                                         max_length_time_axis=4, sequence_length=1)
             with eb.Archive(zarr.storage.MemoryStore(), buffer, on_lost="warn") as archive:
                 archive.write(buffer.add({"x": jnp.arange(3.0)[None]}))
                 assert archive.source_steps == len(archive) == 3
@@ -322,7 +324,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, warnings, zarr
 
             buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length=4, sequence_length=1)
+                                         max_length_time_axis=4, sequence_length=1)
             with eb.Archive(zarr.storage.MemoryStore(), buffer, on_lost="warn") as archive:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # the StepsLostWarning
@@ -344,7 +346,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, zarr
 
             buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length=8, sequence_length=1)
+                                         max_length_time_axis=8, sequence_length=1)
             with eb.Archive(zarr.storage.MemoryStore(), buffer) as archive:
                 assert archive.segments == []
                 archive.write(buffer.add({"x": jnp.arange(5.0)[None]}))
@@ -362,7 +364,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, tempfile, warnings
 
             buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length=4, sequence_length=1)
+                                         max_length_time_axis=4, sequence_length=1)
             with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer, on_lost="warn") as archive:
                 buffer = buffer.add({"x": jnp.arange(4.0)[None]})
                 archive.write(buffer)  # source steps 0 to 3
@@ -390,7 +392,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, zarr
 
             buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length=4, sequence_length=1)
+                                         max_length_time_axis=4, sequence_length=1)
             store = zarr.storage.MemoryStore()
             with eb.Archive(store, buffer) as writer:
                 assert not writer.read_only and eb.Archive(store, mode="r").read_only
@@ -408,7 +410,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, zarr
 
             buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=3,
-                                         max_length=4, sequence_length=1)
+                                         max_length_time_axis=4, sequence_length=1)
             assert eb.Archive(zarr.storage.MemoryStore(), buffer).rows == 3
             ```
         """
@@ -424,7 +426,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, zarr
 
             buffer = eb.TrajectoryBuffer({"x": jnp.zeros(1024)}, add_batch_size=1,
-                                         max_length=4, sequence_length=1)
+                                         max_length_time_axis=4, sequence_length=1)
             archive = eb.Archive(zarr.storage.MemoryStore(), buffer)
             assert archive.chunk_steps == 32  # 4 KiB per step: 128 KiB chunks
             ```
@@ -441,7 +443,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, zarr
 
             buffer = eb.TrajectoryBuffer({"x": jnp.zeros(1024)}, add_batch_size=1,
-                                         max_length=4, sequence_length=1)
+                                         max_length_time_axis=4, sequence_length=1)
             store = zarr.storage.MemoryStore()
             assert eb.Archive(store, buffer, chunk_steps=8, shard_steps=64).shard_steps == 64
             assert eb.Archive(zarr.storage.MemoryStore(), buffer, shard_steps=0).shard_steps is None
@@ -459,7 +461,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, zarr
 
             buffer = eb.TrajectoryBuffer({"x": jnp.zeros(1024)}, add_batch_size=1,
-                                         max_length=4, sequence_length=1)
+                                         max_length_time_axis=4, sequence_length=1)
             archive = eb.Archive(zarr.storage.MemoryStore(), buffer)
             assert archive.block_steps * 4096 == 32 << 20
             ```
@@ -476,7 +478,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, zarr
 
             buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length=4, sequence_length=1)
+                                         max_length_time_axis=4, sequence_length=1)
             archive = eb.Archive(zarr.storage.MemoryStore(), buffer, compression="lz4")
             assert archive.compression == "lz4"
             ```
@@ -493,7 +495,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, zarr
 
             buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length=4, sequence_length=1)
+                                         max_length_time_axis=4, sequence_length=1)
             archive = eb.Archive(zarr.storage.MemoryStore(), buffer)
             archive.progress = False
             assert not archive.progress
@@ -514,7 +516,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
             buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(64, jnp.uint8)}, add_batch_size=2,
-                                         max_length=1024, sequence_length=1)
+                                         max_length_time_axis=1024, sequence_length=1)
             buffer = buffer.add({"obs": jnp.zeros((2, 1024, 64), jnp.uint8)})
             with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
                 archive.write(buffer)
@@ -534,7 +536,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
             buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(64, jnp.uint8)}, add_batch_size=2,
-                                         max_length=1024, sequence_length=1)
+                                         max_length_time_axis=1024, sequence_length=1)
             buffer = buffer.add({"obs": jnp.zeros((2, 1024, 64), jnp.uint8)})
             with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
                 archive.write(buffer)
@@ -575,7 +577,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
             buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length=16, sequence_length=1)
+                                         max_length_time_axis=16, sequence_length=1)
             with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
                 buffer = buffer.add({"x": jnp.arange(3.0)[None]})
                 assert archive.write(buffer) == 3  # the 3 new steps
@@ -614,7 +616,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
             buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length=4, sequence_length=1)
+                                         max_length_time_axis=4, sequence_length=1)
             with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
                 for t in range(3):
                     buffer = buffer.add({"x": jnp.full((1, 4), t, jnp.float32)})
@@ -635,7 +637,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
             buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length=16, sequence_length=1)
+                                         max_length_time_axis=16, sequence_length=1)
             with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
                 buffer = buffer.add({"x": jnp.arange(4.0)[None]})
                 future = archive.write_async(buffer)
@@ -663,7 +665,8 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
-            buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(3)}, add_batch_size=2, max_length=16,
+            buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(3)}, add_batch_size=2,
+                                         max_length_time_axis=16,
                                          sequence_length=1)
             path = tempfile.mkdtemp() + "/run.zarr"
             with eb.Archive(path, buffer) as archive:
@@ -695,7 +698,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
             buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length=16, sequence_length=1)
+                                         max_length_time_axis=16, sequence_length=1)
             with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
                 archive.write(buffer.add({"x": jnp.arange(10.0)[None]}))
                 blocks = list(archive.iter(4))
@@ -712,7 +715,7 @@ class Archive:
         """Return `buffer` holding archive steps `[start, stop)` (default: the newest that fit
         in its ring, within the last contiguous segment), with its counters set as if the
         source had added steps up to `stop`: ready for offline training with its own
-        `sample`. The steps must fit in `max_length` and not cross a gap of lost steps.
+        `sample`. The steps must fit in `max_length_time_axis` and not cross a gap of lost steps.
 
         !!! example
 
@@ -720,11 +723,12 @@ class Archive:
             import equibuffer as eb, jax, jax.numpy as jnp, tempfile
 
             buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length=16, sequence_length=1)
+                                         max_length_time_axis=16, sequence_length=1)
             path = tempfile.mkdtemp() + "/run.zarr"
             with eb.Archive(path, buffer) as archive:
                 archive.write(buffer.add({"x": jnp.arange(10.0)[None]}))
-            small = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1, max_length=4,
+            small = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
+                                        max_length_time_axis=4,
                                         sequence_length=2)
             small = eb.Archive(path, small, mode="r").load(small, 2, 6)  # archive steps 2 to 5
             assert small.storage.steps_added() == 6  # as if the source had added 6 steps
@@ -745,7 +749,7 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
             buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length=16, sequence_length=1)
+                                         max_length_time_axis=16, sequence_length=1)
             path = tempfile.mkdtemp() + "/run.zarr"
             with eb.Archive(path, buffer) as archive:
                 archive.write(buffer.add({"x": jnp.arange(10.0)[None]}))
@@ -795,7 +799,8 @@ class Archive:
             ```python
             import equibuffer as eb, jax, jax.numpy as jnp, numpy as np, tempfile
 
-            buffer = eb.TrajectoryBuffer({"t": jnp.float32(0)}, add_batch_size=2, max_length=16,
+            buffer = eb.TrajectoryBuffer({"t": jnp.float32(0)}, add_batch_size=2,
+                                         max_length_time_axis=16,
                                          sequence_length=1)
             with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
                 archive.write(buffer.add({"t": jnp.tile(jnp.arange(16.0), (2, 1))}))  # t at t

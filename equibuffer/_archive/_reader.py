@@ -348,7 +348,7 @@ class Reader:
         if stop - start > storage.length:
             raise ValueError(
                 f"{where}: {stop - start} steps do not fit in the buffer's "
-                f"max_length={storage.length}; load fewer steps or use a larger buffer."
+                f"max_length_time_axis={storage.length}; load fewer steps or use a larger buffer."
             )
         for a, b in c.segments():
             if a < stop and start < b and not (a <= start and stop <= b):

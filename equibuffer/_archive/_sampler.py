@@ -25,7 +25,8 @@ class ArchiveSample(NamedTuple):
         ```python
         import equibuffer as eb, jax, jax.numpy as jnp, zarr
 
-        buffer = eb.TrajectoryBuffer({"t": jnp.float32(0)}, add_batch_size=2, max_length=16,
+        buffer = eb.TrajectoryBuffer({"t": jnp.float32(0)}, add_batch_size=2,
+                                     max_length_time_axis=16,
                                      sequence_length=1)
         buffer = buffer.add({"t": jnp.tile(jnp.arange(16.0), (2, 1))})  # step t holds t
         with eb.Archive(zarr.storage.MemoryStore(), buffer) as archive:
@@ -206,7 +207,8 @@ def as_jax(
         ```python
         import equibuffer as eb, jax, jax.numpy as jnp, tempfile
 
-        buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(3)}, add_batch_size=2, max_length=16,
+        buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(3)}, add_batch_size=2,
+                                     max_length_time_axis=16,
                                      sequence_length=1)
         buffer = buffer.add({"obs": jnp.ones((2, 16, 3))})
         with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:

@@ -37,7 +37,8 @@ class StepsLostError(RuntimeError):
         ```python
         import equibuffer as eb, jax.numpy as jnp, tempfile
 
-        buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1, max_length=4,
+        buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
+                                     max_length_time_axis=4,
                                      sequence_length=1)
         with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
             buffer = buffer.add({"x": jnp.arange(6.0)[None]})  # 6 steps into a ring of 4
@@ -59,7 +60,8 @@ class StepsLostWarning(UserWarning):
         ```python
         import equibuffer as eb, jax.numpy as jnp, tempfile, warnings
 
-        buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1, max_length=4,
+        buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
+                                     max_length_time_axis=4,
                                      sequence_length=1)
         with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
             buffer = buffer.add({"x": jnp.arange(6.0)[None]})  # 6 steps into a ring of 4
@@ -193,11 +195,11 @@ class Writer:
         if lost:
             msg = (
                 f"{where}: {lost} of the {new} steps added since the last write were overwritten "
-                f"by the ring (max_length={length}) before being written"
+                f"by the ring (max_length_time_axis={length}) before being written"
             )
             if policy == "raise":
                 raise StepsLostError(
-                    msg + "; call write() at least every max_length steps, or pass "
+                    msg + "; call write() at least every max_length_time_axis steps, or pass "
                     "on_lost='warn' to write the rest and record the gap."
                 )
             # stacklevel: the caller of Archive.write / write_async.

@@ -1,5 +1,4 @@
 import abc
-import math
 from collections.abc import Callable
 from typing import Any, TypeAlias, TypeVar
 
@@ -9,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, PRNGKeyArray, PyTree, Shaped
 
 from .._checks import check_positive_int, check_structure, keystr
-from .._custom_types import BoolScalar, ExperienceBatch, IntScalar
+from .._custom_types import BoolScalar, ExperienceBatch, IntScalar, StepCount
 from .._ring import RingStorage
 from ._rules import AbstractRule, AbstractUniformRule, count_held, Drawn, Window
 from ._samples import EpisodeSample, Sample, Transition as Transition
@@ -31,14 +30,38 @@ class AbstractRingHolder(eqx.Module):
         return self.storage.rows
 
     @property
-    def max_length(self) -> int:
-        """The number of steps held per row."""
+    def max_length_time_axis(self) -> int:
+        """The number of steps held per row (Flashbax's name)."""
         return self.storage.length
 
     @property
     def capacity(self) -> int:
-        """The number of steps held in total, `add_batch_size * max_length`."""
+        """The number of steps held in total, `add_batch_size * max_length_time_axis` (the
+        `capacity` asked for, rounded up to whole rows)."""
         return self.storage.rows * self.storage.length
+
+    def steps_added(self) -> StepCount:
+        """The number of steps ever added to each row (overwritten ones included), inside jit
+        as well as outside.
+
+        A 0-d array: `uint64` with `jax_enable_x64`, else `uint32`, which holds counts below
+        `2**32` steps per row (inside jit a larger count raises, through `eqx.error_if`;
+        outside, `int(buffer.storage.steps_added())` is exact at any count).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, equinox as eqx, jax.numpy as jnp
+
+            buffer = eb.TrajectoryBuffer({"x": jnp.zeros(())}, add_batch_size=2,
+                                         max_length_time_axis=4, sequence_length=2)
+            add = eqx.filter_jit(lambda b, x: b.add(x))
+            buffer = add(buffer, {"x": jnp.zeros((2, 6))})
+            assert int(buffer.steps_added()) == 6  # per row; 4 of them still held
+            assert int(eqx.filter_jit(lambda b: b.steps_added())(buffer)) == 6
+            ```
+        """
+        return self.storage.count()
 
     def steps_in(self, batch: ExperienceBatch, where: str = "add()") -> int | None:
         """Check `batch` as `add` does and return its number of steps per row: `None` for
@@ -70,7 +93,7 @@ class AbstractBuffer(AbstractRingHolder):
         ```python
         import equibuffer as eb, jax, jax.numpy as jnp
 
-        buffer = eb.TrajectoryBuffer({"x": jnp.zeros(2)}, add_batch_size=2, max_length=8,
+        buffer = eb.TrajectoryBuffer({"x": jnp.zeros(2)}, add_batch_size=2, max_length_time_axis=8,
                                      sequence_length=3)
         assert isinstance(buffer, eb.AbstractBuffer) and not buffer.can_sample()
         buffer = buffer.add({"x": jnp.ones((2, 3, 2))})
@@ -83,7 +106,14 @@ class AbstractBuffer(AbstractRingHolder):
     rule: eqx.AbstractVar[AbstractRule]
     view: eqx.AbstractVar[AbstractView]
     period: eqx.AbstractVar[int]
-    min_length: eqx.AbstractVar[int]
+    min_length_time_axis: eqx.AbstractVar[int]
+
+    @property
+    def min_size(self) -> int:
+        """The number of steps held in total before `can_sample()` may be true,
+        `add_batch_size * min_length_time_axis` (the `min_size` asked for, rounded up to
+        whole rows, and at least one window per row)."""
+        return self.storage.rows * self.min_length_time_axis
 
     @property
     def sequence_length(self) -> int:
@@ -102,7 +132,7 @@ class AbstractBuffer(AbstractRingHolder):
 
         - `batch`: a tree of the example's structure, with leaves `(add_batch_size, *leaf)`
             for one step or `(add_batch_size, T, *leaf)` for `T >= 1` steps (`T` may exceed
-            `max_length`: only the newest steps are kept). Dtypes must match exactly.
+            `max_length_time_axis`: only the newest steps are kept). Dtypes must match exactly.
 
         **Returns:**
 
@@ -113,7 +143,7 @@ class AbstractBuffer(AbstractRingHolder):
             ```python
             import equibuffer as eb, jax, jax.numpy as jnp
 
-            buffer = eb.ItemBuffer({"x": jnp.zeros(3)}, add_batch_size=2, max_length=4)
+            buffer = eb.ItemBuffer({"x": jnp.zeros(3)}, add_batch_size=2, max_length_time_axis=4)
             buffer = buffer.add({"x": jnp.ones((2, 3))})  # one step per row
             assert int(buffer.size()) == 2
             buffer = buffer.add({"x": jnp.ones((2, 5, 3))})  # 5 more per row: the newest 4 are kept
@@ -133,7 +163,8 @@ class AbstractBuffer(AbstractRingHolder):
             ```python
             import equibuffer as eb, jax, jax.numpy as jnp
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.zeros(2)}, add_batch_size=2, max_length=16,
+            buffer = eb.TrajectoryBuffer({"x": jnp.zeros(2)}, add_batch_size=2,
+                                         max_length_time_axis=16,
                                          sequence_length=4, period=2)
             buffer = buffer.add({"x": jnp.ones((2, 10, 2))})
             # in each row, windows start at steps 0, 2, 4 and 6 (the last one ends at step 9)
@@ -143,15 +174,16 @@ class AbstractBuffer(AbstractRingHolder):
         return count_held(self.storage, self.window)
 
     def can_sample(self) -> BoolScalar:
-        """Whether `sample` may be called: at least `min_length` steps are held per row and
-        there is at least one valid window (0-d bool, a function of the counters only).
+        """Whether `sample` may be called: at least `min_length_time_axis` steps are held per
+        row and there is at least one valid window (0-d bool, a function of the counters only).
 
         !!! example
 
             ```python
             import equibuffer as eb, jax, jax.numpy as jnp
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.zeros(2)}, add_batch_size=1, max_length=8,
+            buffer = eb.TrajectoryBuffer({"x": jnp.zeros(2)}, add_batch_size=1,
+                                         max_length_time_axis=8,
                                          sequence_length=3)
             buffer = buffer.add({"x": jnp.ones((1, 2, 2))})
             assert not buffer.can_sample()  # 2 steps per row, fewer than sequence_length
@@ -159,7 +191,7 @@ class AbstractBuffer(AbstractRingHolder):
             assert buffer.can_sample() and buffer.can_sample().dtype == jnp.bool_
             ```
         """
-        return (self.storage.fill >= self.min_length) & (self.num_windows() > 0)
+        return (self.storage.fill >= self.min_length_time_axis) & (self.num_windows() > 0)
 
     def size(self) -> IntScalar:
         """The number of steps held, over all rows (0-d int32).
@@ -169,7 +201,7 @@ class AbstractBuffer(AbstractRingHolder):
             ```python
             import equibuffer as eb, jax, jax.numpy as jnp
 
-            buffer = eb.ItemBuffer({"x": jnp.zeros(3)}, add_batch_size=2, max_length=4)
+            buffer = eb.ItemBuffer({"x": jnp.zeros(3)}, add_batch_size=2, max_length_time_axis=4)
             assert int(buffer.size()) == 0
             buffer = buffer.add({"x": jnp.ones((2, 3, 3))})
             assert int(buffer.size()) == 6 and buffer.size().dtype == jnp.int32
@@ -191,7 +223,7 @@ class AbstractBuffer(AbstractRingHolder):
             import equibuffer as eb, jax.numpy as jnp
 
             buffer = eb.EpisodeTrajectoryBuffer({"done": jnp.bool_(False)}, add_batch_size=1,
-                                                max_length=8, sequence_length=3)
+                                                max_length_time_axis=8, sequence_length=3)
             buffer = buffer.add({"done": jnp.array([[True, False, False, False, False]])})
             assert int(buffer.num_windows()) == 3  # by the counters: starts 0, 1 and 2
             assert int(buffer.num_valid_windows()) == 2  # inside an episode: steps 1-3 and 2-4
@@ -202,7 +234,7 @@ class AbstractBuffer(AbstractRingHolder):
     def _not_ready(self, where: str) -> str:
         return (
             f"{where}: the buffer cannot be sampled yet: it needs "
-            f"{self.view.needs(self.min_length)} per row. Check `buffer.can_sample()` first."
+            f"{self.view.needs(self.min_length_time_axis)}. Check `buffer.can_sample()` first."
         )
 
     def _experience(self, drawn: Drawn) -> tuple[Any, Bool[Array, "batch window"] | None]:
@@ -268,7 +300,8 @@ class AbstractUniformBuffer(AbstractBuffer):
             ```python
             import equibuffer as eb, jax, jax.numpy as jnp
 
-            buffer = eb.TrajectoryBuffer({"t": jnp.int32(0)}, add_batch_size=1, max_length=8,
+            buffer = eb.TrajectoryBuffer({"t": jnp.int32(0)}, add_batch_size=1,
+                                         max_length_time_axis=8,
                                          sequence_length=2)
             buffer = buffer.add({"t": jnp.arange(5, dtype=jnp.int32)[None]})
             t = buffer.sample(jax.random.key(0), batch_size=6).experience["t"]
@@ -324,55 +357,3 @@ def update_storage(storage: RingStorage, fn: UpdateFn, owner: str) -> RingStorag
 
     data = jax.tree.map(keep, storage.data, new)
     return eqx.tree_at(lambda s: s.data, storage, data)
-
-
-def resolve_length(
-    where: str,
-    add_batch_size: int,
-    max_length: int | None,
-    capacity: int | None,
-    max_size: int | None,
-) -> int:
-    """The per-row length from exactly one of `max_length`, `capacity` or `max_size`.
-
-    A total size that `add_batch_size` does not divide is rounded *up*, so the buffer always
-    holds at least what was asked for; `buffer.capacity` reports the exact figure.
-    """
-    given = {
-        k: v
-        for k, v in (("max_length", max_length), ("capacity", capacity), ("max_size", max_size))
-        if v is not None
-    }
-    if len(given) != 1:
-        raise TypeError(
-            f"{where}: give exactly one of `max_length` (steps per row) or `capacity` "
-            "(total steps; `max_size` is accepted as Flashbax's name for it), "
-            f"got {given or 'none'}."
-        )
-    ((name, value),) = given.items()
-    value = check_positive_int(where, name, value)
-    if name == "max_length":
-        return value
-    return math.ceil(value / add_batch_size)
-
-
-def check_window_config(
-    where: str, max_length: int, sequence_length: int, period: int, min_length: int | None
-) -> tuple[int, int, int]:
-    sequence_length = check_positive_int(where, "sequence_length", sequence_length)
-    period = check_positive_int(where, "period", period)
-    if sequence_length > max_length:
-        raise ValueError(
-            f"{where}: sequence_length={sequence_length} is larger than the ring "
-            f"(max_length={max_length} steps per row); raise max_length/capacity or shorten "
-            "sequence_length."
-        )
-    if min_length is None:
-        min_length = sequence_length
-    min_length = check_positive_int(where, "min_length", min_length)
-    if not sequence_length <= min_length <= max_length:
-        raise ValueError(
-            f"{where}: min_length={min_length} is out of range: it must be between "
-            f"sequence_length={sequence_length} and max_length={max_length}."
-        )
-    return sequence_length, period, min_length

@@ -16,7 +16,7 @@ from .._checks import check_positive_int
 from .._custom_types import ExampleTree
 from .._ring import RingStorage
 from .._sumtree import SumTree
-from ._base import AbstractUniformBuffer, check_window_config, resolve_length
+from ._base import AbstractUniformBuffer
 from ._prioritised import AbstractPrioritisedBuffer
 from ._rules import (
     AbstractPrioritisedRule,
@@ -32,7 +32,8 @@ from ._samples import (
     EpisodeSample as EpisodeSample,
     PrioritisedEpisodeSample as PrioritisedEpisodeSample,
 )
-from ._views import AbstractView, WindowView
+from ._sizes import SizeArgs
+from ._views import AbstractView, window_view, WindowView
 
 
 def _episodic(rule: object) -> "Episodic | PrioritisedEpisodic":
@@ -51,19 +52,17 @@ def _configure(
     add_batch_size: int,
     sequence_length: int,
     period: int,
-    max_length: int | None,
-    capacity: int | None,
-    max_size: int | None,
-    min_length: int | None,
+    sizes: SizeArgs,
 ) -> tuple[RingStorage, WindowView, int, int]:
-    """The storage, view, period and min_length both episode buffers build from their
-    arguments (checked)."""
-    rows = check_positive_int(where, "add_batch_size", add_batch_size)
-    length = resolve_length(where, rows, max_length, capacity, max_size)
-    sequence_length, period, min_length = check_window_config(
-        where, length, sequence_length, period, min_length
+    """The storage, view, period and steps per row before sampling that both episode buffers
+    build from their arguments (checked)."""
+    storage = sizes.storage(where, example, add_batch_size, flat=False)
+    view = window_view(where, sequence_length)
+    period = check_positive_int(where, "period", period)
+    min_length = sizes.min_length_time_axis_for(
+        where, storage, sequence_length, view.window_name, flat=False
     )
-    return RingStorage(example, rows, length), WindowView(sequence_length), period, min_length
+    return storage, view, period, min_length
 
 
 class EpisodeTrajectoryBuffer(AbstractUniformBuffer):
@@ -106,7 +105,7 @@ class EpisodeTrajectoryBuffer(AbstractUniformBuffer):
         import equibuffer as eb, jax, jax.numpy as jnp
 
         example = {"obs": jnp.zeros(2), "done": jnp.bool_(False)}
-        buffer = eb.EpisodeTrajectoryBuffer(example, add_batch_size=2, max_length=32,
+        buffer = eb.EpisodeTrajectoryBuffer(example, add_batch_size=2, max_length_time_axis=32,
                                             sequence_length=4, episode_end="done")
         done = jnp.zeros((2, 12), bool).at[:, 5].set(True)  # episodes of 6 steps
         buffer = buffer.add({"obs": jnp.ones((2, 12, 2)), "done": done})
@@ -121,7 +120,7 @@ class EpisodeTrajectoryBuffer(AbstractUniformBuffer):
     rule: AbstractUniformRule
     view: AbstractView
     period: int = eqx.field(static=True)
-    min_length: int = eqx.field(static=True)
+    min_length_time_axis: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -130,17 +129,21 @@ class EpisodeTrajectoryBuffer(AbstractUniformBuffer):
         add_batch_size: int,
         sequence_length: int,
         period: int = 1,
-        max_length: int | None = None,
         capacity: int | None = None,
         max_size: int | None = None,
+        max_length: int | None = None,
+        max_length_time_axis: int | None = None,
+        min_size: int | None = None,
         min_length: int | None = None,
+        min_length_time_axis: int | None = None,
         episode_end: EpisodeEnd = "done",
         mode: Mode = "never_cross",
     ):
         """**Arguments:**
 
-        - `example`, `add_batch_size`, `sequence_length`, `period`, `max_length`, `capacity`
-            (alias `max_size`), `min_length`: as for [`equibuffer.TrajectoryBuffer`][].
+        - `example`, `add_batch_size`, `sequence_length`, `period`, the sizes (`capacity` or
+            `max_length_time_axis`, `min_size` or `min_length_time_axis`): as for
+            [`equibuffer.TrajectoryBuffer`][].
         - `episode_end`: what marks the last step of an episode: the name of a 0-d bool leaf
             of a dict example (default `"done"`), or a function of one step returning a 0-d
             bool (e.g. `lambda s: s["terminated"] | s["truncated"]`).
@@ -149,10 +152,13 @@ class EpisodeTrajectoryBuffer(AbstractUniformBuffer):
             `mask`).
         """
         where = "EpisodeTrajectoryBuffer()"
-        self.storage, self.view, self.period, self.min_length = _configure(
-            where, example, add_batch_size, sequence_length, period, max_length, capacity,
-            max_size, min_length,
+        sizes = SizeArgs(
+            capacity, max_size, max_length, max_length_time_axis,
+            min_size, min_length, min_length_time_axis,
         )  # fmt: skip
+        self.storage, self.view, self.period, self.min_length_time_axis = _configure(
+            where, example, add_batch_size, sequence_length, period, sizes
+        )
         self.rule = episodic(where, self.storage, episode_end, mode)
 
     @property
@@ -196,7 +202,8 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
         import equibuffer as eb, jax, jax.numpy as jnp
 
         example = {"obs": jnp.zeros(2), "done": jnp.bool_(False)}
-        buffer = eb.PrioritisedEpisodeTrajectoryBuffer(example, add_batch_size=2, max_length=32,
+        buffer = eb.PrioritisedEpisodeTrajectoryBuffer(example, add_batch_size=2,
+                                                       max_length_time_axis=32,
                                                        sequence_length=4, alpha=0.6)
         done = jnp.zeros((2, 12), bool).at[:, 5].set(True)  # episodes of 6 steps
         buffer = buffer.add({"obs": jnp.ones((2, 12, 2)), "done": done})
@@ -211,7 +218,7 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
     rule: AbstractPrioritisedRule
     view: AbstractView
     period: int = eqx.field(static=True)
-    min_length: int = eqx.field(static=True)
+    min_length_time_axis: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -220,27 +227,33 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
         add_batch_size: int,
         sequence_length: int,
         period: int = 1,
-        max_length: int | None = None,
         capacity: int | None = None,
         max_size: int | None = None,
+        max_length: int | None = None,
+        max_length_time_axis: int | None = None,
+        min_size: int | None = None,
         min_length: int | None = None,
+        min_length_time_axis: int | None = None,
         episode_end: EpisodeEnd = "done",
         mode: Mode = "never_cross",
         alpha: float = 0.6,
     ):
         """**Arguments:**
 
-        - `example`, `add_batch_size`, `sequence_length`, `period`, `max_length`, `capacity`
-            (alias `max_size`), `min_length`, `episode_end`, `mode`: as for
-            [`equibuffer.EpisodeTrajectoryBuffer`][].
+        - `example`, `add_batch_size`, `sequence_length`, `period`, the sizes (`capacity` or
+            `max_length_time_axis`, `min_size` or `min_length_time_axis`),
+            `episode_end`, `mode`: as for [`equibuffer.EpisodeTrajectoryBuffer`][].
         - `alpha`: the priority exponent, `>= 0`: 0 is uniform over the valid windows of
             positive priority, 1 fully proportional. Default 0.6.
         """
         where = "PrioritisedEpisodeTrajectoryBuffer()"
-        self.storage, self.view, self.period, self.min_length = _configure(
-            where, example, add_batch_size, sequence_length, period, max_length, capacity,
-            max_size, min_length,
+        sizes = SizeArgs(
+            capacity, max_size, max_length, max_length_time_axis,
+            min_size, min_length, min_length_time_axis,
         )  # fmt: skip
+        self.storage, self.view, self.period, self.min_length_time_axis = _configure(
+            where, example, add_batch_size, sequence_length, period, sizes
+        )
         self.rule = prioritised_episodic(where, self.storage, episode_end, mode, alpha)
 
     @property

@@ -1,10 +1,10 @@
 import equinox as eqx
 
-from .._checks import check_positive_int
 from .._custom_types import ExampleTree
 from .._ring import RingStorage
-from ._base import AbstractUniformBuffer, check_window_config, resolve_length
+from ._base import AbstractUniformBuffer
 from ._rules import AbstractUniformRule, Uniform
+from ._sizes import SizeArgs
 from ._views import AbstractView, ItemView
 
 
@@ -27,31 +27,41 @@ class ItemBuffer(AbstractUniformBuffer):
     rule: AbstractUniformRule
     view: AbstractView
     period: int = eqx.field(static=True)
-    min_length: int = eqx.field(static=True)
+    min_length_time_axis: int = eqx.field(static=True)
 
     def __init__(
         self,
         example: ExampleTree,
         *,
         add_batch_size: int,
-        max_length: int | None = None,
         capacity: int | None = None,
         max_size: int | None = None,
+        max_length: int | None = None,
+        max_length_time_axis: int | None = None,
+        min_size: int | None = None,
         min_length: int | None = None,
+        min_length_time_axis: int | None = None,
     ):
         """**Arguments:**
 
         - `example`: one item, a pytree of arrays.
         - `add_batch_size`: the number of items (rows) each `add` of one step writes.
-        - `max_length`: items held per row. Or instead:
-        - `capacity` (alias `max_size`): items held in total, rounded up to a multiple of
-            `add_batch_size`.
-        - `min_length`: items per row before `can_sample()` is true (default 1).
+        - `capacity` (aliases `max_size` and, as in Flashbax's flat and item buffers,
+            `max_length_time_axis`): items held in total, rounded up to whole rows. Or instead
+            `max_length_time_axis`: items held per row.
+        - `min_size` (alias `min_length`, as in Flashbax's flat and item buffers): items held
+            in total before `can_sample()` is true, rounded up to whole rows; or instead
+            `min_length_time_axis`, per row. Default and least: 1 per row.
         """
         where = "ItemBuffer()"
-        rows = check_positive_int(where, "add_batch_size", add_batch_size)
-        length = resolve_length(where, rows, max_length, capacity, max_size)
-        _, self.period, self.min_length = check_window_config(where, length, 1, 1, min_length)
-        self.storage = RingStorage(example, rows, length)
-        self.rule = Uniform()
+        sizes = SizeArgs(
+            capacity, max_size, max_length, max_length_time_axis,
+            min_size, min_length, min_length_time_axis,
+        )  # fmt: skip
+        self.storage = sizes.storage(where, example, add_batch_size, flat=True)
         self.view = ItemView()
+        self.period = 1
+        self.min_length_time_axis = sizes.min_length_time_axis_for(
+            where, self.storage, 1, self.view.window_name, flat=True
+        )
+        self.rule = Uniform()

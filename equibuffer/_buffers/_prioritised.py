@@ -10,7 +10,7 @@ from .._checks import check_positive_int
 from .._custom_types import ExampleTree, Steps
 from .._ring import RingStorage
 from .._sumtree import SumTree
-from ._base import AbstractBuffer, check_window_config, resolve_length
+from ._base import AbstractBuffer
 from ._rules import (
     AbstractPrioritisedRule,
     check_beta,
@@ -22,8 +22,9 @@ from ._rules import (
     set_by_priority,
 )
 from ._samples import PrioritisedEpisodeSample, PrioritisedSample as PrioritisedSample, Sample
+from ._sizes import SizeArgs
 from ._transition import transition_view
-from ._views import AbstractView, ItemView, WindowView
+from ._views import AbstractView, ItemView, window_view
 
 
 _Prioritised = TypeVar("_Prioritised", bound="AbstractPrioritisedBuffer")
@@ -110,7 +111,7 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
             import equibuffer as eb, jax, jax.numpy as jnp
 
             buffer = eb.PrioritisedTrajectoryBuffer({"obs": jnp.zeros(2)}, add_batch_size=2,
-                                                    max_length=16, sequence_length=4)
+                                                    max_length_time_axis=16, sequence_length=4)
             buffer = buffer.add({"obs": jnp.ones((2, 8, 2))})
             sample = buffer.sample(jax.random.key(0), batch_size=8, beta=0.4)
             assert sample.experience["obs"].shape == (8, 4, 2)
@@ -215,18 +216,6 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
         return eqx.tree_at(lambda b: b.rule, self, rule)
 
 
-def _storage(
-    where: str,
-    example: ExampleTree,
-    add_batch_size: int,
-    max_length: int | None,
-    capacity: int | None,
-    max_size: int | None,
-) -> RingStorage:
-    rows = check_positive_int(where, "add_batch_size", add_batch_size)
-    return RingStorage(example, rows, resolve_length(where, rows, max_length, capacity, max_size))
-
-
 class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
     """A [`equibuffer.TrajectoryBuffer`][] that draws windows in proportion to their
     priority: windows of `sequence_length` consecutive steps of one row, starting at absolute
@@ -239,7 +228,8 @@ class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
         import equibuffer as eb, jax, jax.numpy as jnp
 
         buffer = eb.PrioritisedTrajectoryBuffer({"obs": jnp.zeros(4)}, add_batch_size=2,
-                                                max_length=100, sequence_length=8, alpha=0.6)
+                                                max_length_time_axis=100, sequence_length=8,
+                                                alpha=0.6)
         buffer = buffer.add({"obs": jnp.ones((2, 10, 4))})
         sample = buffer.sample(jax.random.key(0), batch_size=32, beta=0.4)
         assert sample.experience["obs"].shape == (32, 8, 4)
@@ -251,7 +241,7 @@ class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
     rule: AbstractPrioritisedRule
     view: AbstractView
     period: int = eqx.field(static=True)
-    min_length: int = eqx.field(static=True)
+    min_length_time_axis: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -260,25 +250,34 @@ class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
         add_batch_size: int,
         sequence_length: int,
         period: int = 1,
-        max_length: int | None = None,
         capacity: int | None = None,
         max_size: int | None = None,
+        max_length: int | None = None,
+        max_length_time_axis: int | None = None,
+        min_size: int | None = None,
         min_length: int | None = None,
+        min_length_time_axis: int | None = None,
         alpha: float = 0.6,
     ):
         """**Arguments:**
 
-        - `example`, `add_batch_size`, `sequence_length`, `period`, `max_length`, `capacity`
-            (alias `max_size`), `min_length`: as for [`equibuffer.TrajectoryBuffer`][].
+        - `example`, `add_batch_size`, `sequence_length`, `period`, the sizes (`capacity` or
+            `max_length_time_axis`, `min_size` or `min_length_time_axis`): as for
+            [`equibuffer.TrajectoryBuffer`][].
         - `alpha`: the priority exponent, `>= 0`: 0 is uniform over windows of positive
             priority, 1 fully proportional. Default 0.6 (Schaul et al.).
         """
         where = "PrioritisedTrajectoryBuffer()"
-        self.storage = _storage(where, example, add_batch_size, max_length, capacity, max_size)
-        sequence_length, self.period, self.min_length = check_window_config(
-            where, self.storage.length, sequence_length, period, min_length
+        sizes = SizeArgs(
+            capacity, max_size, max_length, max_length_time_axis,
+            min_size, min_length, min_length_time_axis,
+        )  # fmt: skip
+        self.storage = sizes.storage(where, example, add_batch_size, flat=False)
+        self.view = window_view(where, sequence_length)
+        self.period = check_positive_int(where, "period", period)
+        self.min_length_time_axis = sizes.min_length_time_axis_for(
+            where, self.storage, sequence_length, self.view.window_name, flat=False
         )
-        self.view = WindowView(sequence_length)
         self.rule = prioritised(where, self.storage, alpha)
 
 
@@ -304,17 +303,20 @@ class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
     rule: AbstractPrioritisedRule
     view: AbstractView
     period: int = eqx.field(static=True)
-    min_length: int = eqx.field(static=True)
+    min_length_time_axis: int = eqx.field(static=True)
 
     def __init__(
         self,
         example: ExampleTree,
         *,
         add_batch_size: int,
-        max_length: int | None = None,
         capacity: int | None = None,
         max_size: int | None = None,
+        max_length: int | None = None,
+        max_length_time_axis: int | None = None,
+        min_size: int | None = None,
         min_length: int | None = None,
+        min_length_time_axis: int | None = None,
         alpha: float = 0.6,
         n_step: int | None = None,
         discount: float | None = None,
@@ -326,20 +328,26 @@ class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
     ):
         """**Arguments:**
 
-        - `example`, `add_batch_size`, `max_length`, `capacity` (alias `max_size`),
-            `min_length`, `n_step`, `discount`, `reward`, `terminated`, `truncated`,
-            `episode_end`, `mode`: as for [`equibuffer.TransitionBuffer`][]. With `n_step`
+        - `example`, `add_batch_size`, the sizes (`capacity` or `max_length_time_axis`,
+            `min_size` or `min_length_time_axis`, and Flashbax's `max_length`, `min_length`),
+            `n_step`, `discount`, `reward`, `terminated`, `truncated`, `episode_end`, `mode`: as for
+            [`equibuffer.TransitionBuffer`][]. With `n_step`
             this is Rainbow's replay: n-step transitions drawn by priority, with importance
             weights, cut at episode ends.
         - `alpha`: the priority exponent, `>= 0` (default 0.6).
         """
         where = "PrioritisedTransitionBuffer()"
-        self.storage = _storage(where, example, add_batch_size, max_length, capacity, max_size)
+        sizes = SizeArgs(
+            capacity, max_size, max_length, max_length_time_axis,
+            min_size, min_length, min_length_time_axis,
+        )  # fmt: skip
+        self.storage = sizes.storage(where, example, add_batch_size, flat=True)
         self.view = transition_view(
             where, self.storage, n_step, discount, reward, terminated, truncated
         )
-        _, self.period, self.min_length = check_window_config(
-            where, self.storage.length, self.view.window_length, 1, min_length
+        self.period = 1
+        self.min_length_time_axis = sizes.min_length_time_axis_for(
+            where, self.storage, self.view.window_length, self.view.window_name, flat=True
         )
         if episode_end is None:
             self.rule = prioritised(where, self.storage, alpha)
@@ -366,29 +374,38 @@ class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
     rule: AbstractPrioritisedRule
     view: AbstractView
     period: int = eqx.field(static=True)
-    min_length: int = eqx.field(static=True)
+    min_length_time_axis: int = eqx.field(static=True)
 
     def __init__(
         self,
         example: ExampleTree,
         *,
         add_batch_size: int,
-        max_length: int | None = None,
         capacity: int | None = None,
         max_size: int | None = None,
+        max_length: int | None = None,
+        max_length_time_axis: int | None = None,
+        min_size: int | None = None,
         min_length: int | None = None,
+        min_length_time_axis: int | None = None,
         alpha: float = 0.6,
     ):
         """**Arguments:**
 
-        - `example`, `add_batch_size`, `max_length`, `capacity` (alias `max_size`),
-            `min_length`: as for [`equibuffer.ItemBuffer`][].
+        - `example`, `add_batch_size`, the sizes (`capacity` or `max_length_time_axis`,
+            `min_size` or `min_length_time_axis`, and Flashbax's `max_length`, `min_length`): as for
+            [`equibuffer.ItemBuffer`][].
         - `alpha`: the priority exponent, `>= 0` (default 0.6).
         """
         where = "PrioritisedItemBuffer()"
-        self.storage = _storage(where, example, add_batch_size, max_length, capacity, max_size)
-        _, self.period, self.min_length = check_window_config(
-            where, self.storage.length, 1, 1, min_length
-        )
+        sizes = SizeArgs(
+            capacity, max_size, max_length, max_length_time_axis,
+            min_size, min_length, min_length_time_axis,
+        )  # fmt: skip
+        self.storage = sizes.storage(where, example, add_batch_size, flat=True)
         self.view = ItemView()
+        self.period = 1
+        self.min_length_time_axis = sizes.min_length_time_axis_for(
+            where, self.storage, 1, self.view.window_name, flat=True
+        )
         self.rule = prioritised(where, self.storage, alpha)

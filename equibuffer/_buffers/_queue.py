@@ -9,7 +9,8 @@ from .._checks import check_positive_int
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar
 from .._ring import RingStorage
 from .._windows import gather
-from ._base import AbstractRingHolder, resolve_length, Sample, update_storage, UpdateFn
+from ._base import AbstractRingHolder, Sample, update_storage, UpdateFn
+from ._sizes import SizeArgs
 
 
 class Queue(AbstractRingHolder):
@@ -23,15 +24,15 @@ class Queue(AbstractRingHolder):
     from the counters only.
 
     It is a [`equibuffer.RingStorage`][] plus one 0-d counter, `unread`: the number of steps
-    per row added and not yet sampled (at most `max_length`). With `sequence_length=1` it is a
-    queue of items.
+    per row added and not yet sampled (at most `max_length_time_axis`). With
+    `sequence_length=1` it is a queue of items.
 
     !!! example
 
         ```python
         import equibuffer as eb, jax.numpy as jnp
 
-        queue = eb.Queue({"obs": jnp.zeros(3)}, add_batch_size=2, max_length=8,
+        queue = eb.Queue({"obs": jnp.zeros(3)}, add_batch_size=2, max_length_time_axis=8,
                          sequence_length=4)
         queue = queue.add({"obs": jnp.ones((2, 4, 3))})   # 4 steps for both rows
         assert bool(queue.can_sample()) and bool(queue.can_add(4))
@@ -44,6 +45,7 @@ class Queue(AbstractRingHolder):
     storage: RingStorage
     unread: Int[Array, ""]
     sequence_length: int = eqx.field(static=True)
+    add_sequence_length: int | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -51,34 +53,54 @@ class Queue(AbstractRingHolder):
         *,
         add_batch_size: int,
         sequence_length: int,
-        max_length: int | None = None,
         capacity: int | None = None,
         max_size: int | None = None,
+        max_length_time_axis: int | None = None,
+        max_length: int | None = None,
+        add_sequence_length: int | None = None,
     ):
         """**Arguments:**
 
         - `example`: one step of experience, a pytree of arrays.
         - `add_batch_size`: the number of rows each `add` writes (e.g. parallel environments).
         - `sequence_length`: the number of steps of every row that `sample` returns.
-        - `max_length`: steps held per row (at least `sequence_length`). Or instead:
-        - `capacity` (alias `max_size`): steps held in total, rounded up to a multiple of
-            `add_batch_size`.
+        - `capacity` (alias `max_size`): steps held in total, rounded up to whole rows. Or
+            instead `max_length_time_axis` (Flashbax's name): steps held per row. At least
+            `sequence_length` per row. (`max_length` is refused with an error saying what to
+            pass.)
+        - `add_sequence_length`: optional, Flashbax's name: the steps per row every `add`
+            brings. When given, `add` refuses batches of any other length and `can_add()`
+            answers for it; when not, `add` takes any length and `can_add(steps)` needs the
+            length of the next add.
         """
         where = "Queue()"
-        rows = check_positive_int(where, "add_batch_size", add_batch_size)
-        length = resolve_length(where, rows, max_length, capacity, max_size)
+        self.storage = SizeArgs(capacity, max_size, max_length, max_length_time_axis).storage(
+            where, example, add_batch_size, flat=False
+        )
+        length = self.storage.length
         self.sequence_length = check_positive_int(where, "sequence_length", sequence_length)
         if self.sequence_length > length:
             raise ValueError(
                 f"{where}: sequence_length={sequence_length} is larger than the queue "
-                f"(max_length={length} steps per row); raise max_length/capacity or shorten "
-                "sequence_length."
+                f"(max_length_time_axis={length} steps per row); raise the size (capacity or "
+                "max_length_time_axis) or shorten sequence_length."
             )
-        self.storage = RingStorage(example, rows, length)
+        if add_sequence_length is not None:
+            add_sequence_length = check_positive_int(
+                where, "add_sequence_length", add_sequence_length
+            )
+            if add_sequence_length > length:
+                raise ValueError(
+                    f"{where}: add_sequence_length={add_sequence_length} is larger than the "
+                    f"queue (max_length_time_axis={length} steps per row)."
+                )
+        self.add_sequence_length = add_sequence_length
         self.unread = jnp.array(0, jnp.int32)
 
-    def can_add(self, steps: int = 1) -> BoolScalar:
-        """Whether `steps` more steps per row fit without overwriting unread ones (0-d bool).
+    def can_add(self, steps: int | None = None) -> BoolScalar:
+        """Whether an add of `steps` more steps per row fits without overwriting unread ones
+        (0-d bool). `steps` defaults to the queue's `add_sequence_length`; a queue without
+        one needs it said.
 
         !!! example
 
@@ -86,13 +108,27 @@ class Queue(AbstractRingHolder):
             import equibuffer as eb, jax.numpy as jnp
 
             example = {"x": jnp.zeros(())}
-            queue = eb.Queue(example, add_batch_size=2, max_length=4, sequence_length=2)
+            queue = eb.Queue(example, add_batch_size=2, max_length_time_axis=4,
+                             sequence_length=2)
             queue = queue.add({"x": jnp.zeros((2, 3))})  # 3 of the 4 slots per row unread
-            assert bool(queue.can_add()) and not bool(queue.can_add(2))
+            assert bool(queue.can_add(1)) and not bool(queue.can_add(2))
             queue, _ = queue.sample()  # 1 unread
             assert bool(queue.can_add(3))
+
+            fixed = eb.Queue(example, add_batch_size=2, max_length_time_axis=4,
+                             sequence_length=2, add_sequence_length=2)
+            fixed = fixed.add({"x": jnp.zeros((2, 2))})
+            assert bool(fixed.can_add()) and not bool(fixed.add({"x": jnp.zeros((2, 2))}).can_add())
             ```
         """
+        if steps is None:
+            if self.add_sequence_length is None:
+                raise TypeError(
+                    "Queue.can_add(): say how many steps per row the next add brings, "
+                    "`queue.can_add(steps)`, or give the queue an `add_sequence_length` for "
+                    "`can_add()` to answer for."
+                )
+            steps = self.add_sequence_length
         steps = check_positive_int("Queue.can_add()", "steps", steps)
         return self.unread + steps <= self.storage.length
 
@@ -105,7 +141,7 @@ class Queue(AbstractRingHolder):
             import equibuffer as eb, jax.numpy as jnp
 
             example = {"x": jnp.zeros(())}
-            queue = eb.Queue(example, add_batch_size=2, max_length=4, sequence_length=2)
+            queue = eb.Queue(example, add_batch_size=2, max_length_time_axis=4, sequence_length=2)
             queue = queue.add({"x": jnp.zeros(2)})  # one step per row: fewer than sequence_length
             assert not bool(queue.can_sample())
             queue = queue.add({"x": jnp.zeros(2)})
@@ -123,7 +159,7 @@ class Queue(AbstractRingHolder):
             import equibuffer as eb, jax.numpy as jnp
 
             example = {"x": jnp.zeros(())}
-            queue = eb.Queue(example, add_batch_size=3, max_length=8, sequence_length=2)
+            queue = eb.Queue(example, add_batch_size=3, max_length_time_axis=8, sequence_length=2)
             queue = queue.add({"x": jnp.zeros((3, 5))})
             assert int(queue.size()) == 15  # 5 unread steps in each of 3 rows
             queue, _ = queue.sample()
@@ -152,10 +188,10 @@ class Queue(AbstractRingHolder):
             import equibuffer as eb, jax.numpy as jnp
 
             example = {"x": jnp.zeros(())}
-            queue = eb.Queue(example, add_batch_size=2, max_length=4, sequence_length=2)
+            queue = eb.Queue(example, add_batch_size=2, max_length_time_axis=4, sequence_length=2)
             queue = queue.add({"x": jnp.array([1.0, 2.0])})  # one step: leaves (rows,)
             queue = queue.add({"x": jnp.array([[3.0, 5.0], [4.0, 6.0]])})  # 2 steps: (rows, 2)
-            assert int(queue.size()) == 6 and bool(queue.can_add()) and not bool(queue.can_add(2))
+            assert int(queue.size()) == 6 and bool(queue.can_add(1)) and not bool(queue.can_add(2))
             queue, sample = queue.sample()
             assert sample.experience["x"].tolist() == [[1.0, 3.0], [2.0, 4.0]]
             ```
@@ -163,16 +199,23 @@ class Queue(AbstractRingHolder):
         t = self.storage.steps_in(batch, "Queue.add()")
         t = 1 if t is None else t
         length = self.storage.length
+        if self.add_sequence_length is not None and t != self.add_sequence_length:
+            raise ValueError(
+                f"Queue.add(): the batch holds {t} steps per row but the queue was built with "
+                f"add_sequence_length={self.add_sequence_length}."
+            )
         if t > length:
             raise ValueError(
                 f"Queue.add(): the batch holds {t} steps per row but the queue holds at most "
-                f"max_length={length}; add fewer steps at a time or raise max_length/capacity."
+                f"max_length_time_axis={length}; add fewer steps at a time or raise the size "
+                "(capacity or max_length_time_axis)."
             )
         unread = eqx.error_if(
             self.unread + t,
             self.unread + t > length,
             f"Queue.add(): the queue is full: adding {t} steps per row would overwrite unread "
-            f"steps (max_length={length}). Sample first, or check `queue.can_add({t})`.",
+            f"steps (max_length_time_axis={length}). Sample first, or check "
+            f"`queue.can_add({t})`.",
         )
         storage = self.storage.write(batch)
         return eqx.tree_at(lambda q: (q.storage, q.unread), self, (storage, unread))
@@ -195,7 +238,7 @@ class Queue(AbstractRingHolder):
             import equibuffer as eb, jax.numpy as jnp
 
             example = {"x": jnp.zeros(())}
-            queue = eb.Queue(example, add_batch_size=1, max_length=4, sequence_length=2)
+            queue = eb.Queue(example, add_batch_size=1, max_length_time_axis=4, sequence_length=2)
             queue = queue.add({"x": jnp.array([[1.0, 2.0, 3.0]])})
             queue, first = queue.sample()  # the oldest 2 unread steps
             assert first.experience["x"].tolist() == [[1.0, 2.0]] and int(queue.size()) == 1
@@ -234,7 +277,7 @@ class Queue(AbstractRingHolder):
             import equibuffer as eb, jax.numpy as jnp
 
             example = {"r": jnp.float32(0)}
-            queue = eb.Queue(example, add_batch_size=2, max_length=4, sequence_length=1)
+            queue = eb.Queue(example, add_batch_size=2, max_length_time_axis=4, sequence_length=1)
             queue = queue.add({"r": jnp.array([1.0, 2.0])})
             queue = queue.update(lambda step: {"r": step["r"] + 10})  # one step at a time
             assert queue.storage.data["r"][:, 1].tolist() == [0.0, 0.0]  # unwritten slots untouched

@@ -293,7 +293,7 @@ def check_priority_update(
         out_of_range | jnp.any((new < 0) | ~jnp.isfinite(new)),
         jnp.where(out_of_range, 0, 1),
         [
-            f"{where}: every index must be in [0, add_batch_size * max_length="
+            f"{where}: every index must be in [0, add_batch_size * max_length_time_axis="
             f"{capacity}); pass `sample.indices`.",
             f"{where}: every priority must be non-negative and finite (a negative, NaN or "
             "infinite priority was given).",
@@ -492,9 +492,10 @@ def episodic(where: str, storage: RingStorage, episode_end: Any, mode: Any) -> E
     """A new `Episodic` rule for `storage` (arguments checked)."""
     if storage.rows * storage.length > MAX_COUNTED:
         raise ValueError(
-            f"{where}: add_batch_size * max_length = {storage.rows * storage.length} steps is "
+            f"{where}: the buffer holds {storage.rows * storage.length} steps in total, "
             f"more than {MAX_COUNTED} (2**24), the largest count of windows drawn exactly "
-            "uniformly (the valid windows are counted in float32). Lower `capacity`/`max_length`."
+            "uniformly (the valid windows are counted in float32). Lower `capacity` (or "
+            "`max_length_time_axis`)."
         )
     episodes = new_episode_ends(where, storage, episode_end, mode)
     return Episodic(episodes=episodes, tree=SumTree(storage.rows * storage.length))

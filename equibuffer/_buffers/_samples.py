@@ -46,7 +46,7 @@ class Sample(eqx.Module):
         ```python
         import equibuffer as eb, jax, jax.numpy as jnp
 
-        buffer = eb.TrajectoryBuffer({"x": jnp.zeros(2)}, add_batch_size=2, max_length=8,
+        buffer = eb.TrajectoryBuffer({"x": jnp.zeros(2)}, add_batch_size=2, max_length_time_axis=8,
                                      sequence_length=3)
         buffer = buffer.add({"x": jnp.ones((2, 5, 2))})
         sample = buffer.sample(jax.random.key(0), batch_size=4)
@@ -110,7 +110,7 @@ class EpisodeSample(Sample):
         import equibuffer as eb, jax, jax.numpy as jnp
 
         example = {"r": jnp.float32(0), "done": jnp.bool_(False)}
-        buffer = eb.EpisodeTrajectoryBuffer(example, add_batch_size=1, max_length=8,
+        buffer = eb.EpisodeTrajectoryBuffer(example, add_batch_size=1, max_length_time_axis=8,
                                             sequence_length=3, mode="pad")
         done = jnp.array([[False, True, False, False, False]])  # episodes 0-1 and 2-4
         buffer = buffer.add({"r": jnp.ones((1, 5)), "done": done})
@@ -137,7 +137,7 @@ class PrioritisedEpisodeSample(PrioritisedSample):
 
         buffer = eb.PrioritisedEpisodeTrajectoryBuffer(
             {"r": jnp.float32(0), "done": jnp.bool_(False)}, add_batch_size=1,
-            max_length=8, sequence_length=3, mode="pad")
+            max_length_time_axis=8, sequence_length=3, mode="pad")
         done = jnp.array([[False, True, False, False, False]])  # episodes 0-1, 2-
         buffer = buffer.add({"r": jnp.ones((1, 5)), "done": done})
         sample = buffer.sample(jax.random.key(0), batch_size=8)

@@ -3,9 +3,10 @@ import equinox as eqx
 from .._checks import check_positive_int
 from .._custom_types import ExampleTree
 from .._ring import RingStorage
-from ._base import AbstractUniformBuffer, check_window_config, resolve_length
+from ._base import AbstractUniformBuffer
 from ._rules import AbstractUniformRule, Uniform
-from ._views import AbstractView, WindowView
+from ._sizes import SizeArgs
+from ._views import AbstractView, window_view
 
 
 class TrajectoryBuffer(AbstractUniformBuffer):
@@ -19,7 +20,7 @@ class TrajectoryBuffer(AbstractUniformBuffer):
         import equibuffer as eb, jax, jax.numpy as jnp
 
         example = {"obs": jnp.zeros(4), "reward": jnp.float32(0)}
-        buffer = eb.TrajectoryBuffer(example, add_batch_size=2, max_length=100,
+        buffer = eb.TrajectoryBuffer(example, add_batch_size=2, max_length_time_axis=100,
                                      sequence_length=8, period=4)
         buffer = buffer.add({"obs": jnp.ones((2, 10, 4)), "reward": jnp.ones((2, 10))})
         sample = buffer.sample(jax.random.key(0), batch_size=32)
@@ -31,7 +32,7 @@ class TrajectoryBuffer(AbstractUniformBuffer):
     rule: AbstractUniformRule
     view: AbstractView
     period: int = eqx.field(static=True)
-    min_length: int = eqx.field(static=True)
+    min_length_time_axis: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -40,10 +41,13 @@ class TrajectoryBuffer(AbstractUniformBuffer):
         add_batch_size: int,
         sequence_length: int,
         period: int = 1,
-        max_length: int | None = None,
         capacity: int | None = None,
         max_size: int | None = None,
+        max_length: int | None = None,
+        max_length_time_axis: int | None = None,
+        min_size: int | None = None,
         min_length: int | None = None,
+        min_length_time_axis: int | None = None,
     ):
         """**Arguments:**
 
@@ -53,18 +57,23 @@ class TrajectoryBuffer(AbstractUniformBuffer):
         - `sequence_length`: the number of consecutive steps in each sampled window.
         - `period`: windows start at absolute steps that are multiples of `period` (1: every
             step; `sequence_length`: non-overlapping windows).
-        - `max_length`: steps held per row. Or instead:
-        - `capacity` (alias `max_size`): steps held in total; `max_length` becomes
-            `ceil(capacity / add_batch_size)`, rounded up so nothing asked for is lost.
-        - `min_length`: steps per row before `can_sample()` is true (default
-            `sequence_length`), between `sequence_length` and `max_length`.
+        - `capacity` (alias `max_size`, Flashbax's name): steps held in total, rounded up to
+            whole rows. Or instead `max_length_time_axis`: steps held per row.
+        - `min_size`: steps held in total before `can_sample()` is true, rounded up to whole
+            rows; or instead `min_length_time_axis`, per row. Default and least: one window
+            per row.
+        - `max_length`, `min_length`: refused, with an error saying what to pass (they are
+            Flashbax's names for a flat buffer's totals, which trajectory buffers do not take).
         """
         where = "TrajectoryBuffer()"
-        rows = check_positive_int(where, "add_batch_size", add_batch_size)
-        length = resolve_length(where, rows, max_length, capacity, max_size)
-        sequence_length, self.period, self.min_length = check_window_config(
-            where, length, sequence_length, period, min_length
+        sizes = SizeArgs(
+            capacity, max_size, max_length, max_length_time_axis,
+            min_size, min_length, min_length_time_axis,
+        )  # fmt: skip
+        self.storage = sizes.storage(where, example, add_batch_size, flat=False)
+        self.view = window_view(where, sequence_length)
+        self.period = check_positive_int(where, "period", period)
+        self.min_length_time_axis = sizes.min_length_time_axis_for(
+            where, self.storage, sequence_length, self.view.window_name, flat=False
         )
-        self.storage = RingStorage(example, rows, length)
         self.rule = Uniform()
-        self.view = WindowView(sequence_length)

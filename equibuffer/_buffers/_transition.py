@@ -1,11 +1,11 @@
 import equinox as eqx
 
-from .._checks import check_positive_int
 from .._custom_types import ExampleTree
 from .._nstep import check_discount, check_leaves, check_n_step
 from .._ring import RingStorage
-from ._base import AbstractUniformBuffer, check_window_config, resolve_length
+from ._base import AbstractUniformBuffer
 from ._rules import AbstractUniformRule, EpisodeEnd, episodic, Mode, Uniform
+from ._sizes import SizeArgs
 from ._views import AbstractView, NStepView, PairView
 
 
@@ -52,17 +52,20 @@ class TransitionBuffer(AbstractUniformBuffer):
     rule: AbstractUniformRule
     view: AbstractView
     period: int = eqx.field(static=True)
-    min_length: int = eqx.field(static=True)
+    min_length_time_axis: int = eqx.field(static=True)
 
     def __init__(
         self,
         example: ExampleTree,
         *,
         add_batch_size: int,
-        max_length: int | None = None,
         capacity: int | None = None,
         max_size: int | None = None,
+        max_length: int | None = None,
+        max_length_time_axis: int | None = None,
+        min_size: int | None = None,
         min_length: int | None = None,
+        min_length_time_axis: int | None = None,
         n_step: int | None = None,
         discount: float | None = None,
         reward: str = "reward",
@@ -75,11 +78,13 @@ class TransitionBuffer(AbstractUniformBuffer):
 
         - `example`: one step of experience, a pytree of arrays.
         - `add_batch_size`: the number of rows each `add` writes.
-        - `max_length`: steps held per row (at least 2). Or instead:
-        - `capacity` (alias `max_size`): steps held in total, rounded up to a multiple of
-            `add_batch_size`.
-        - `min_length`: steps per row before `can_sample()` is true (default 2, or
-            `n_step + 1`).
+        - `capacity` (aliases `max_size` and, as in Flashbax's flat and item buffers,
+            `max_length_time_axis`): steps held in total, rounded up to whole rows. Or instead
+            `max_length_time_axis`: steps held per row.
+        - `min_size` (alias `min_length`, as in Flashbax's flat and item buffers): steps held
+            in total before `can_sample()` is true, rounded up to whole rows; or instead
+            `min_length_time_axis`, per row. Default and least: 2 per row (`n_step + 1`
+            with `n_step`).
         - `n_step`: sample n-step transitions ([`equibuffer.NStepTransition`][]) instead
             of pairs; at least 1. Needs `discount` and the leaves named by:
         - `reward`, `terminated`, `truncated`: the names (keys or attributes of the example)
@@ -97,14 +102,17 @@ class TransitionBuffer(AbstractUniformBuffer):
             transition, comes back zero, with `sample.mask` false there).
         """
         where = "TransitionBuffer()"
-        rows = check_positive_int(where, "add_batch_size", add_batch_size)
-        length = resolve_length(where, rows, max_length, capacity, max_size)
-        self.storage = RingStorage(example, rows, length)
+        sizes = SizeArgs(
+            capacity, max_size, max_length, max_length_time_axis,
+            min_size, min_length, min_length_time_axis,
+        )  # fmt: skip
+        self.storage = sizes.storage(where, example, add_batch_size, flat=True)
         self.view = transition_view(
             where, self.storage, n_step, discount, reward, terminated, truncated
         )
-        _, self.period, self.min_length = check_window_config(
-            where, length, self.view.window_length, 1, min_length
+        self.period = 1
+        self.min_length_time_axis = sizes.min_length_time_axis_for(
+            where, self.storage, self.view.window_length, self.view.window_name, flat=True
         )
         if episode_end is None:
             self.rule = Uniform()

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool
 
+from .._checks import check_positive_int
 from .._custom_types import Indices
 from .._nstep import n_step_from_storage
 from .._ring import RingStorage
@@ -59,9 +60,9 @@ class AbstractView(eqx.Module):
         """How errors name one window (by the arguments a user of this view sets)."""
 
     @abc.abstractmethod
-    def needs(self, min_length: int) -> str:
-        """What the sample-too-early error says a row needs, naming only arguments a user
-        of this view sets."""
+    def needs(self, steps: int) -> str:
+        """What the sample-too-early error says a row needs: `steps` per row (the buffer's
+        minimum) and what one sample spans, naming only arguments a user of this view sets."""
 
 
 class WindowView(AbstractView):
@@ -87,8 +88,14 @@ class WindowView(AbstractView):
     def window_name(self) -> str:
         return f"sequence_length={self.sequence_length}"
 
-    def needs(self, min_length: int) -> str:
-        return f"at least min_length={min_length} steps and one window of {self.window_name}"
+    def needs(self, steps: int) -> str:
+        return f"at least {steps} steps per row and one window of {self.window_name}"
+
+
+def window_view(where: str, sequence_length: int) -> WindowView:
+    """A [`WindowView`][equibuffer._buffers._views.WindowView] of `sequence_length >= 1` steps
+    (errors start with `where`)."""
+    return WindowView(check_positive_int(where, "sequence_length", sequence_length))
 
 
 class PairView(AbstractView):
@@ -110,8 +117,8 @@ class PairView(AbstractView):
     def window_name(self) -> str:
         return "2 steps (one transition)"
 
-    def needs(self, min_length: int) -> str:
-        return f"at least min_length={min_length} steps (two consecutive steps make a transition)"
+    def needs(self, steps: int) -> str:
+        return f"at least {steps} steps per row (two consecutive steps make a transition)"
 
 
 class NStepView(AbstractView):
@@ -144,10 +151,9 @@ class NStepView(AbstractView):
     def window_name(self) -> str:
         return f"n_step + 1 = {self.n + 1} steps"
 
-    def needs(self, min_length: int) -> str:
+    def needs(self, steps: int) -> str:
         return (
-            f"at least min_length={min_length} steps (n_step + 1 = {self.n + 1} make one "
-            "n-step transition)"
+            f"at least {steps} steps per row (n_step + 1 = {self.n + 1} make one n-step transition)"
         )
 
 
@@ -168,5 +174,5 @@ class ItemView(AbstractView):
     def window_name(self) -> str:
         return "1 step"
 
-    def needs(self, min_length: int) -> str:
-        return f"at least {min_length} item{'s' if min_length > 1 else ''} (min_length)"
+    def needs(self, steps: int) -> str:
+        return f"at least {steps} item{'s' if steps > 1 else ''} per row"

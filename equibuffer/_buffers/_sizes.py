@@ -1,0 +1,173 @@
+"""Size arguments, resolved in one place for every buffer.
+
+Every size has one spelling per unit, accepted by every buffer:
+
+- steps held in total: `capacity` (Flashbax's `max_size`; on flat and item buffers also
+    Flashbax's `max_length`); steps held per row: `max_length_time_axis`;
+- steps before sampling, in total: `min_size` (on flat and item buffers also Flashbax's
+    `min_length`); per row: `min_length_time_axis`.
+
+A total that `add_batch_size` does not divide is rounded *up* to whole rows, so a buffer never
+holds less than asked for. On trajectory-shaped buffers Flashbax has no `max_length` /
+`min_length` (its names there are the `_time_axis` ones and `max_size`), so those spellings are
+refused with an error naming what to pass.
+"""
+
+import math
+from typing import NamedTuple
+
+from .._checks import check_positive_int
+from .._custom_types import ExampleTree
+from .._ring import RingStorage
+
+
+def _one_of(where: str, given: dict[str, int | None], expected: str) -> tuple[str, int] | None:
+    chosen = {k: v for k, v in given.items() if v is not None}
+    if len(chosen) > 1:
+        raise TypeError(f"{where}: give only one of {expected}, got {chosen}.")
+    if not chosen:
+        return None
+    ((name, value),) = chosen.items()
+    return name, check_positive_int(where, name, value)
+
+
+def _refuse_flashbax_flat_name(where: str, name: str, value: int | None, use: str) -> None:
+    if value is not None:
+        raise TypeError(
+            f"{where}: `{name}` is not taken here: it is Flashbax's name for a flat or item "
+            f"buffer's total, and trajectory buffers count per row. Pass {use}."
+        )
+
+
+def ring_length(
+    where: str,
+    rows: int,
+    *,
+    flat: bool,
+    capacity: int | None,
+    max_size: int | None,
+    max_length: int | None,
+    max_length_time_axis: int | None,
+) -> int:
+    """The steps held per row, from exactly one size argument.
+
+    `flat` marks buffers whose Flashbax counterpart is flat or item-shaped, where
+    `max_length` means the total.
+    """
+    if not flat:
+        _refuse_flashbax_flat_name(
+            where,
+            "max_length",
+            max_length,
+            "`max_length_time_axis=` (steps per row) or `capacity=` (steps in total)",
+        )
+    totals = ("`capacity` (alias `max_size`" + (", `max_length`" if flat else "")) + ")"
+    given = {
+        "capacity": capacity,
+        "max_size": max_size,
+        "max_length_time_axis": max_length_time_axis,
+    }
+    if flat:
+        given["max_length"] = max_length
+    chosen = _one_of(where, given, f"{totals}, steps in total, or `max_length_time_axis`, per row")
+    if chosen is None:
+        raise TypeError(
+            f"{where}: give the buffer's size: {totals}, steps in total, or "
+            "`max_length_time_axis`, steps per row."
+        )
+    name, value = chosen
+    return value if name == "max_length_time_axis" else math.ceil(value / rows)
+
+
+def min_length_time_axis(
+    where: str,
+    rows: int,
+    length: int,
+    needs: int,
+    *,
+    flat: bool,
+    min_size: int | None,
+    min_length: int | None,
+    min_length_time_axis: int | None,
+) -> int:
+    """The steps per row before sampling: from at most one minimum argument, never fewer than
+    the `needs` steps one sample spans (the default), never more than `length`."""
+    if not flat:
+        _refuse_flashbax_flat_name(
+            where,
+            "min_length",
+            min_length,
+            "`min_length_time_axis=` (steps per row) or `min_size=` (steps in total)",
+        )
+    totals = "`min_size`" + (" (alias `min_length`)" if flat else "")
+    given = {"min_size": min_size, "min_length_time_axis": min_length_time_axis}
+    if flat:
+        given["min_length"] = min_length
+    chosen = _one_of(where, given, f"{totals}, steps in total, or `min_length_time_axis`, per row")
+    if chosen is None:
+        return needs
+    name, value = chosen
+    if name == "min_length_time_axis":
+        if not needs <= value <= length:
+            raise ValueError(
+                f"{where}: min_length_time_axis={value} is out of range: a row must hold at "
+                f"least the {needs} steps one sample spans and at most the "
+                f"{length} steps it keeps (max_length_time_axis)."
+            )
+        return value
+    if value > rows * length:
+        raise ValueError(
+            f"{where}: {name}={value} is more than the buffer holds ({rows * length} steps: "
+            f"{rows} rows of {length})."
+        )
+    return max(needs, math.ceil(value / rows))
+
+
+class SizeArgs(NamedTuple):
+    """The size arguments a buffer's constructor received (None: not given)."""
+
+    capacity: int | None = None
+    max_size: int | None = None
+    max_length: int | None = None
+    max_length_time_axis: int | None = None
+    min_size: int | None = None
+    min_length: int | None = None
+    min_length_time_axis: int | None = None
+
+    def storage(
+        self, where: str, example: ExampleTree, add_batch_size: int, *, flat: bool
+    ) -> RingStorage:
+        """The ring of `add_batch_size` rows, sized by the arguments."""
+        rows = check_positive_int(where, "add_batch_size", add_batch_size)
+        length = ring_length(
+            where,
+            rows,
+            flat=flat,
+            capacity=self.capacity,
+            max_size=self.max_size,
+            max_length=self.max_length,
+            max_length_time_axis=self.max_length_time_axis,
+        )
+        return RingStorage(example, rows, length)
+
+    def min_length_time_axis_for(
+        self, where: str, storage: RingStorage, window: int, window_name: str, *, flat: bool
+    ) -> int:
+        """Check that a window of `window` steps (named `window_name` in errors) fits a row,
+        and return the steps per row before sampling."""
+        if window > storage.length:
+            raise ValueError(
+                f"{where}: {window_name} is larger than the ring (max_length_time_axis="
+                f"{storage.length} steps per row); raise capacity (or max_length_time_axis) or "
+                "shorten the window."
+            )
+        return min_length_time_axis(
+            where,
+            storage.rows,
+            storage.length,
+            window,
+            flat=flat,
+            min_size=self.min_size,
+            min_length=self.min_length,
+            min_length_time_axis=self.min_length_time_axis,
+        )

@@ -57,9 +57,9 @@ def test_routing_matches_numpy_reference(rows, cap, adds):
             ref[int(np.clip(np.floor(r), 0, 2))].append(int(i))
         start += ids.size
     assert np.asarray(buffer.cluster_sizes()).tolist() == [len(d) for d in ref]
-    data = np.asarray(buffer.data["id"])
+    data = np.asarray(buffer.storage.data["id"])
     for c in range(3):
-        fill, head = int(buffer.fill[c]), int(buffer.head[c])
+        fill, head = int(buffer.storage.fill[c]), int(buffer.storage.head[c])
         held = [int(data[c, (head - fill + j) % cap]) for j in range(fill)]
         assert held == list(ref[c])  # oldest first, the newest `cap` kept
 

@@ -10,6 +10,7 @@ from jaxtyping import Array, Bool, PRNGKeyArray, PyTree, Shaped
 
 from .._checks import check_positive_int, check_structure, keystr
 from .._custom_types import BoolScalar, ExperienceBatch, IntScalar
+from .._protocol import AbstractReplayBuffer
 from .._ring import RingStorage
 from ._rules import AbstractRule, AbstractUniformRule, count_held, Drawn, Window
 from ._samples import EpisodeSample, Sample, Transition as Transition
@@ -58,7 +59,7 @@ class AbstractRingHolder(eqx.Module):
         return self.storage.steps_in(batch, where)
 
 
-class AbstractBuffer(AbstractRingHolder):
+class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
     """The interface every buffer shares: a [`equibuffer.RingStorage`][] plus a rule saying
     which windows of `sequence_length` steps may be sampled.
 

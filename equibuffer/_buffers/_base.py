@@ -60,8 +60,9 @@ class AbstractRingHolder(eqx.Module):
 
 
 class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
-    """The interface every buffer shares: a [`equibuffer.RingStorage`][] plus a rule saying
-    which windows of `sequence_length` steps may be sampled.
+    """The interface every ring buffer shares: a [`equibuffer.RingStorage`][] plus a rule
+    saying which windows of `sequence_length` steps may be sampled. Every ring buffer is an
+    [`equibuffer.AbstractReplayBuffer`][] (a `Mixer` source, wrapped by `RateLimited`).
 
     Concrete buffers are final; they differ only in their configuration and in the shape of
     what `sample` returns.

@@ -30,9 +30,20 @@ from ._buffers._prioritised import (
 from ._buffers._queue import Queue as Queue
 from ._buffers._trajectory import TrajectoryBuffer as TrajectoryBuffer
 from ._buffers._transition import TransitionBuffer as TransitionBuffer
-from ._cluster import ClusteredBuffer as ClusteredBuffer, ClusteredSample as ClusteredSample
+from ._cluster import (
+    AbstractClusteredBuffer as AbstractClusteredBuffer,
+    ClusteredBuffer as ClusteredBuffer,
+    ClusteredSample as ClusteredSample,
+    PrioritisedClusteredBuffer as PrioritisedClusteredBuffer,
+    PrioritisedClusteredSample as PrioritisedClusteredSample,
+)
 from ._mixer import MixedSample as MixedSample, Mixer as Mixer
 from ._nstep import n_step_transition as n_step_transition, NStepTransition as NStepTransition
+from ._protocol import (
+    AbstractPrioritisedSource as AbstractPrioritisedSource,
+    AbstractReplayBuffer as AbstractReplayBuffer,
+    AbstractSource as AbstractSource,
+)
 from ._ratelimit import RateLimited as RateLimited
 from ._ring import RingStorage as RingStorage
 from ._sharding import shard_rows as shard_rows

@@ -1,26 +1,54 @@
-"""Clustered replay: items routed at `add` time to one of K clusters, each its own ring."""
+"""Clustered replay: items routed at `add` time to one of K clusters, each its own ring; a draw
+picks a cluster (uniformly or by `weights`, among those it can draw from), then an item inside
+it, uniformly (`ClusteredBuffer`) or in proportion to `priority ** alpha`
+(`PrioritisedClusteredBuffer`).
 
+As for the ring buffers, a clustered buffer is a storage (`ClusterStorage`: the K rings) plus
+a rule (`UniformInCluster`, `PrioritisedInCluster`: the state a draw needs), with `add`,
+`can_sample`, `size` written once on `AbstractClusteredBuffer`.
+"""
+
+import abc
 import math
-import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree, Shaped
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree, Shaped, UInt32
 
+from ._buffers._rules import (
+    check_alpha,
+    check_beta,
+    check_priority_update,
+    set_by_priority,
+    update_target,
+)
+from ._buffers._samples import PrioritisedSample, Sample
 from ._checks import check_positive_int
-from ._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar
-from ._ring import RingStorage
+from ._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar, StepCount, Steps
+from ._protocol import AbstractPrioritisedSource, AbstractReplayBuffer
+from ._ring import check_batch, RingStorage
+from ._sumtree import SumTree
 
 
-class ClusteredSample(eqx.Module):
-    """What [`equibuffer.ClusteredBuffer.sample`][] returns.
+_Clustered = TypeVar("_Clustered", bound="AbstractClusteredBuffer")
+
+
+# ----------------------------------------------------------------------------------- samples
+
+
+class ClusteredSample(Sample):
+    """What [`equibuffer.ClusteredBuffer.sample`][] returns: a [`equibuffer.Sample`][] plus
+    the cluster of each item.
 
     - `experience`: the sampled items, leaves `(batch, *leaf)`.
-    - `cluster`: `(batch,)` int32, the cluster each item was drawn from.
     - `indices`: `(batch,)` int32, `cluster * cluster_capacity + slot` of each item.
+    - `steps`: `(batch,)` uint32, each item's place in its cluster's order of arrival (the
+        number of items routed to that cluster before it, mod 2**32): it tells whether the
+        slot has been overwritten since.
+    - `cluster`: `(batch,)` int32, the cluster each item was drawn from.
 
     !!! example
 
@@ -35,25 +63,522 @@ class ClusteredSample(eqx.Module):
         assert isinstance(sample, eb.ClusteredSample) and sample.cluster.dtype == jnp.int32
         assert ((sample.experience["x"] > 0) == (sample.cluster == 1)).all()
         assert (sample.indices // 8 == sample.cluster).all()  # cluster * cluster_capacity + slot
+        assert (sample.steps <= 1).all()  # each cluster received two items: numbers 0 and 1
         ```
     """
 
-    experience: PyTree[Shaped[Array, "batch ..."]]
     cluster: Int[Array, " batch"]
-    indices: Int[Array, " batch"]
 
 
-class ClusteredBuffer(eqx.Module):
+class PrioritisedClusteredSample(PrioritisedSample):
+    """What [`equibuffer.PrioritisedClusteredBuffer.sample`][] returns: a
+    [`equibuffer.PrioritisedSample`][] plus the cluster of each item.
+
+    - `experience`, `indices`, `steps`, `cluster`: as in [`equibuffer.ClusteredSample`][].
+    - `probabilities`: `(batch,)` float32, the probability with which each item was drawn:
+        its cluster's share times its share of that cluster's `priority ** alpha` (see
+        [`equibuffer.PrioritisedClusteredBuffer`][]).
+    - `weights`: `(batch,)` float32 importance weights correcting the priorities' bias
+        inside each cluster, `(n_c * P(i | c)) ** -beta` over their largest in the batch
+        (the largest is 1); the clusters' own shares are kept, as in the uniform
+        `ClusteredBuffer`.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        buffer = eb.PrioritisedClusteredBuffer(
+            {"x": jnp.float32(0)}, add_batch_size=4, num_clusters=2, cluster_capacity=8,
+            cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
+        buffer = buffer.add({"x": jnp.array([-1.0, 2.0, -3.0, 4.0])})
+        sample = buffer.sample(jax.random.key(0), batch_size=8, beta=0.4)
+        assert isinstance(sample, eb.PrioritisedClusteredSample)
+        # two clusters of two items at equal priority: each item has probability 1/2 * 1/2
+        assert jnp.allclose(sample.probabilities, 0.25) and jnp.allclose(sample.weights, 1.0)
+        ```
+    """
+
+    cluster: Int[Array, " batch"]
+
+
+# ----------------------------------------------------------------------------------- storage
+
+
+class Routed(NamedTuple):
+    """Where an add put its items (flattened time-major, rows in order within a step): each
+    item's cluster and slot, and whether it was written (an add that brings more than
+    `cluster_capacity` items to a cluster keeps only its newest ones)."""
+
+    cluster: Int[Array, " items"]
+    slot: Int[Array, " items"]
+    kept: Bool[Array, " items"]
+
+
+class ClusterStorage(eqx.Module):
+    """`num_clusters` rings of `cluster_capacity` items: one array per leaf shaped
+    `(num_clusters, cluster_capacity, *leaf)`, and per cluster a write head, a fill count and
+    a count of the items ever routed to it (`uint32`, mod 2**32). `added` says whether any
+    add was made (whatever the routing, so it stays unbatched under `vmap`)."""
+
+    data: PyTree[Shaped[Array, "clusters capacity ..."]]
+    head: Int[Array, " clusters"]
+    fill: Int[Array, " clusters"]
+    count: UInt32[Array, " clusters"]
+    added: Bool[Array, ""]
+    rows: int = eqx.field(static=True)
+    num_clusters: int = eqx.field(static=True)
+    cluster_capacity: int = eqx.field(static=True)
+
+    def __init__(self, example: ExampleTree, rows: int, num_clusters: int, cluster_capacity: int):
+        self.rows, self.num_clusters = rows, num_clusters
+        self.cluster_capacity = cluster_capacity
+        # A (clusters, capacity) ring allocates and checks the example the usual way.
+        self.data = RingStorage(example, num_clusters, cluster_capacity).data
+        self.head = jnp.zeros(num_clusters, jnp.int32)
+        self.fill = jnp.zeros(num_clusters, jnp.int32)
+        self.count = jnp.zeros(num_clusters, jnp.uint32)
+        self.added = jnp.array(False)
+
+    def item(self) -> PyTree[jax.ShapeDtypeStruct]:
+        """The shape and dtype of one item."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), self.data)
+
+    def steps_in(self, batch: ExperienceBatch, where: str) -> int | None:
+        return check_batch(where, self.data, self.rows, batch)
+
+    def append(
+        self, batch: ExperienceBatch, cluster_fn: Callable[[Any], Any], where: str
+    ) -> tuple["ClusterStorage", Routed]:
+        """Route every item of `batch` to its cluster and append it there; `O(N * K)` integer
+        work for `N` items (a running count per cluster gives each its slot), one scatter."""
+        t = self.steps_in(batch, where)
+
+        def flatten(x: Any) -> Array:
+            x = jnp.asarray(x)
+            if t is None:
+                return x
+            return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])  # time-major
+
+        items = jax.tree.map(flatten, batch)
+        k, cap = self.num_clusters, self.cluster_capacity
+        ids = jax.vmap(cluster_fn)(items).astype(jnp.int32)
+        ids = eqx.error_if(
+            ids,
+            jnp.any((ids < 0) | (ids >= k)),
+            f"{where}: `cluster_fn` returned a cluster id outside [0, num_clusters={k}).",
+        )
+        onehot = (ids[:, None] == jnp.arange(k, dtype=jnp.int32)[None, :]).astype(jnp.int32)
+        counts = jnp.sum(onehot, axis=0, dtype=jnp.int32)
+        running = jnp.cumsum(onehot, axis=0, dtype=jnp.int32)
+        rank = jnp.take_along_axis(running, ids[:, None], axis=1)[:, 0] - 1
+        kept = rank >= counts[ids] - cap  # only the newest `cap` items of one cluster
+        slot = (self.head[ids] + rank) % cap
+        target = jnp.where(kept, ids, k)  # out of range: dropped by the scatter
+        data = jax.tree.map(
+            lambda d, x: d.at[target, slot].set(x, mode="drop", unique_indices=True),
+            self.data,
+            items,
+        )
+        head = (self.head + counts) % cap
+        fill = jnp.minimum(self.fill + counts, cap)
+        count = self.count + counts.astype(jnp.uint32)
+        storage = eqx.tree_at(
+            lambda s: (s.data, s.head, s.fill, s.count, s.added),
+            self,
+            (data, head, fill, count, jnp.array(True)),
+        )
+        return storage, Routed(ids, slot, kept)
+
+    def gather(self, cluster: Int[Array, " batch"], slot: Int[Array, " batch"]) -> Any:
+        return jax.tree.map(lambda d: d.at[cluster, slot].get(mode="promise_in_bounds"), self.data)
+
+    def numbers(
+        self, cluster: Int[Array, " batch"], slot: Int[Array, " batch"]
+    ) -> tuple[Bool[Array, " batch"], Steps]:
+        """Whether each slot holds an item, and that item's number in its cluster's order of
+        arrival (mod 2**32)."""
+        cap = self.cluster_capacity
+        fill, head = self.fill[cluster], self.head[cluster]
+        offset = (slot - head + fill + cap) % cap  # from the oldest item held
+        number = self.count[cluster] - fill.astype(jnp.uint32) + offset.astype(jnp.uint32)
+        return offset < fill, number
+
+
+# ------------------------------------------------------------------------------------- rules
+
+
+def cluster_draw(
+    key: PRNGKeyArray, shares: Float[Array, " clusters"], batch_size: int
+) -> Int[Array, " batch"]:
+    """`batch_size` clusters drawn independently in proportion to `shares` (a zero share is
+    never drawn; all zero: meaningless, the caller raises)."""
+    return jax.random.categorical(key, jnp.log(shares), shape=(batch_size,)).astype(jnp.int32)
+
+
+def _nothing_held(where: str) -> str:
+    return (
+        f"{where}: no cluster of positive weight holds an item yet. Add data first, or check "
+        "`buffer.can_sample()` and the weights."
+    )
+
+
+class AbstractClusterRule(eqx.Module):
+    """What a clustered buffer keeps besides its items, kept in step by `added`."""
+
+    @abc.abstractmethod
+    def added(self, storage: ClusterStorage, routed: Routed) -> Any:
+        """The rule after an add (`storage` is the storage after it)."""
+
+
+class UniformInCluster(AbstractClusterRule):
+    """Uniform inside the drawn cluster: no state at all."""
+
+    def added(self, storage: ClusterStorage, routed: Routed) -> "UniformInCluster":
+        return self
+
+    def draw(
+        self,
+        storage: ClusterStorage,
+        key: PRNGKeyArray,
+        batch_size: int,
+        shares: Float[Array, " clusters"],
+        where: str,
+    ) -> tuple[Int[Array, " batch"], Int[Array, " batch"], Steps]:
+        """`(cluster, slot, number)` of `batch_size` items: a cluster among those holding
+        items by `shares`, then an item uniformly in it."""
+        cap = storage.cluster_capacity
+        w = jnp.where(storage.fill > 0, shares, 0.0)
+        key_c, key_i = jax.random.split(key)
+        cluster = cluster_draw(key_c, w, batch_size)
+        cluster = eqx.error_if(cluster, ~(jnp.sum(w) > 0), _nothing_held(where))
+        fill = storage.fill[cluster]
+        u = jax.random.uniform(key_i, (batch_size,), jnp.float32)
+        j = jnp.minimum((u * fill.astype(jnp.float32)).astype(jnp.int32), fill - 1)
+        slot = (storage.head[cluster] - fill + j + cap) % cap
+        number = storage.count[cluster] - fill.astype(jnp.uint32) + j.astype(jnp.uint32)
+        return cluster, slot, number
+
+
+class Drawn(NamedTuple):
+    cluster: Int[Array, " batch"]
+    slot: Int[Array, " batch"]
+    number: Steps
+    probabilities: Float[Array, " batch"]
+    weights: Float[Array, " batch"]
+
+
+class PrioritisedInCluster(AbstractClusterRule):
+    """In proportion to `priority ** alpha` inside the drawn cluster: one `SumTree` per
+    cluster (leaf = slot) holding `p ** alpha` for every item held, and the largest priority
+    set so far, at which new items enter."""
+
+    trees: tuple[SumTree, ...]
+    max_priority: Float[Array, ""]
+    alpha: float = eqx.field(static=True)
+
+    def added(self, storage: ClusterStorage, routed: Routed) -> "PrioritisedInCluster":
+        fresh = jnp.broadcast_to(self.max_priority**self.alpha, routed.slot.shape)
+        trees = tuple(
+            tree.write(routed.slot, fresh, mask=routed.kept & (routed.cluster == c))
+            for c, tree in enumerate(self.trees)
+        )
+        return eqx.tree_at(lambda r: r.trees, self, trees)
+
+    def totals(self) -> Float[Array, " clusters"]:
+        return jnp.stack([tree.total() for tree in self.trees])
+
+    def draw(
+        self,
+        storage: ClusterStorage,
+        key: PRNGKeyArray,
+        batch_size: int,
+        shares: Float[Array, " clusters"],
+        beta: Float[Array, ""],
+        where: str,
+    ) -> Drawn:
+        """A cluster among those holding an item of positive priority, by `shares`; then an
+        item of it in proportion to its leaf. One check for the three ways to fail."""
+        totals = self.totals()
+        held = jnp.where(storage.fill > 0, shares, 0.0)
+        w = jnp.where(totals > 0, held, 0.0)
+        key_c, key_i = jax.random.split(key)
+        cluster = cluster_draw(key_c, w, batch_size)
+        u = jax.random.uniform(key_i, (batch_size,), jnp.float32)
+        # Every tree searched for every draw (K * batch_size searches), the one of the drawn
+        # cluster kept: each search stays inside its own cluster's leaves.
+        found = [tree.search(u * total) for tree, total in zip(self.trees, totals, strict=True)]
+        slots = jnp.stack([slot for slot, _ in found])
+        leaves = jnp.stack([leaf for _, leaf in found])
+        pick = cluster[None, :]
+        slot = jnp.take_along_axis(slots, pick, axis=0)[0]
+        leaf = jnp.take_along_axis(leaves, pick, axis=0)[0]
+        slot, leaf = jax.lax.optimization_barrier((slot, leaf))
+        failure = jnp.where(jnp.sum(held) > 0, jnp.where(jnp.sum(w) > 0, 2, 1), 0)
+        cluster = eqx.branched_error_if(
+            cluster,
+            (failure < 2) | (beta < 0) | ~jnp.isfinite(beta),
+            failure,
+            [
+                _nothing_held(where),
+                f"{where}: every item held in the clusters of positive weight has priority 0, "
+                "so there is nothing to draw (`can_sample()` only looks at the counters). "
+                "Give some items a positive priority with `set_priorities`, or add data (new "
+                "items enter at the largest priority seen).",
+                f"{where}: `beta` must be finite and >= 0.",
+            ],
+        )
+        within = leaf / totals[cluster]
+        probabilities = w[cluster] / jnp.sum(w) * within
+        # (n_c P(i | c))^-beta / max_j (n_c P(j | c))^-beta, as a ratio to the smallest (>= 1).
+        scaled = storage.fill[cluster].astype(jnp.float32) * within
+        weights = (scaled / jnp.min(scaled)) ** -beta
+        _, number = storage.numbers(cluster, slot)
+        return Drawn(cluster, slot, number, probabilities, weights)
+
+    def with_priorities(
+        self,
+        cluster: Int[Array, " batch"],
+        slot: Int[Array, " batch"],
+        new: Float[Array, " batch"],
+        current: Bool[Array, " batch"],
+    ) -> "PrioritisedInCluster":
+        trees, largest = [], self.max_priority
+        for c, tree in enumerate(self.trees):
+            tree, top = set_by_priority(
+                tree, self.max_priority, self.alpha, slot, new, current & (cluster == c)
+            )
+            trees.append(tree)
+            largest = jnp.maximum(largest, top)
+        return PrioritisedInCluster(trees=tuple(trees), max_priority=largest, alpha=self.alpha)
+
+
+# ----------------------------------------------------------------------------------- buffers
+
+
+def _configure(
+    where: str,
+    example: ExampleTree,
+    add_batch_size: int,
+    num_clusters: int,
+    cluster_capacity: int,
+    cluster_fn: Any,
+    weights: Sequence[float] | None,
+) -> tuple[ClusterStorage, tuple[float, ...] | None]:
+    """The storage of a clustered buffer and its cluster weights, every argument checked."""
+    rows = check_positive_int(where, "add_batch_size", add_batch_size)
+    k = check_positive_int(where, "num_clusters", num_clusters)
+    cap = check_positive_int(where, "cluster_capacity", cluster_capacity)
+    if not callable(cluster_fn):
+        raise TypeError(f"{where}: `cluster_fn` must be a function of one item.")
+    if weights is not None:
+        weights = tuple(float(w) for w in weights)
+        if len(weights) != k:
+            raise ValueError(f"{where}: {len(weights)} weights for num_clusters={k}.")
+        if not all(math.isfinite(w) and w >= 0 for w in weights):
+            raise ValueError(f"{where}: weights must be finite and >= 0, got {weights}.")
+        if abs(sum(weights) - 1) > 1e-6:
+            raise ValueError(f"{where}: weights must sum to 1, got {weights}.")
+    storage = ClusterStorage(example, rows, k, cap)
+    out = jax.eval_shape(cluster_fn, storage.item())
+    if not hasattr(out, "dtype") or not jnp.issubdtype(out.dtype, jnp.integer) or out.shape != ():
+        dtype = getattr(out, "dtype", type(out).__name__)
+        got = f"{dtype} of shape {getattr(out, 'shape', None)}"
+        raise TypeError(
+            f"{where}: `cluster_fn` must return a 0-d integer cluster id for one item, got {got}."
+        )
+    return storage, weights
+
+
+class AbstractClusteredBuffer(AbstractReplayBuffer):
     """A buffer of items split into `num_clusters` clusters (as in dejax's clustered
     replay): `add` routes every item to the cluster `cluster_fn(item)` names (e.g. high vs
     low return), each cluster a ring of `cluster_capacity` items that overwrites its own
-    oldest items; `sample` draws a cluster uniformly (or by `weights`) among the non-empty
-    ones, then an item uniformly inside it.
+    oldest items. A draw picks a cluster by `weights` (uniform by default) among those it
+    can draw from, then an item inside it by the buffer's rule: uniformly
+    ([`equibuffer.ClusteredBuffer`][]) or by priority
+    ([`equibuffer.PrioritisedClusteredBuffer`][]).
+
+    It is an [`equibuffer.AbstractReplayBuffer`][]: a `Mixer` source, wrapped by
+    `RateLimited` (its items count as steps). `add`, `can_sample`, `size` and
+    `cluster_sizes` are the same for both rules.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        for kind in (eb.ClusteredBuffer, eb.PrioritisedClusteredBuffer):
+            buffer = kind({"x": jnp.float32(0)}, add_batch_size=2, num_clusters=2,
+                          cluster_capacity=4,
+                          cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
+            assert isinstance(buffer, eb.AbstractClusteredBuffer)
+            buffer = buffer.add({"x": jnp.array([[1.0, -1.0], [2.0, 3.0]])})
+            assert buffer.cluster_sizes().tolist() == [1, 3] and int(buffer.size()) == 4
+        ```
+    """
+
+    storage: eqx.AbstractVar[ClusterStorage]
+    rule: eqx.AbstractVar[AbstractClusterRule]
+    cluster_fn: eqx.AbstractVar[Callable[[Any], Any]]
+    weights: eqx.AbstractVar[tuple[float, ...] | None]
+
+    @property
+    def add_batch_size(self) -> int:
+        """The number of rows each `add` brings."""
+        return self.storage.rows
+
+    @property
+    def num_clusters(self) -> int:
+        """The number of clusters `K`."""
+        return self.storage.num_clusters
+
+    @property
+    def cluster_capacity(self) -> int:
+        """The number of items each cluster holds."""
+        return self.storage.cluster_capacity
+
+    def _shares(self) -> Float[Array, " clusters"]:
+        """The clusters' weights, before renormalising over those that can be drawn."""
+        if self.weights is None:
+            return jnp.ones(self.num_clusters, jnp.float32)
+        return jnp.asarray(self.weights, jnp.float32)
+
+    def can_sample(self) -> BoolScalar:
+        """Whether any item was ever added (0-d bool; independent of the routing, so it
+        stays unbatched under `vmap`).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=2, num_clusters=2,
+                                        cluster_capacity=4,
+                                        cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
+            assert not buffer.can_sample()
+            buffer = buffer.add({"x": jnp.ones(2)})
+            assert buffer.can_sample() and buffer.can_sample().dtype == jnp.bool_
+            ```
+        """
+        return self.storage.added
+
+    def size(self) -> IntScalar:
+        """The number of items held over all clusters (0-d int32).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=2, num_clusters=2,
+                                        cluster_capacity=4,
+                                        cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
+            buffer = buffer.add({"x": jnp.ones((2, 3))})  # 6 items, all to cluster 1, which holds 4
+            assert int(buffer.size()) == 4 and buffer.size().dtype == jnp.int32
+            ```
+        """
+        return jnp.sum(self.storage.fill, dtype=jnp.int32)
+
+    def steps_added(self) -> StepCount:
+        """The number of steps ever added to each row: every `add` of `T` steps per row
+        routes `add_batch_size * T` items. A 0-d `uint32`, readable inside jit, exact below
+        `2**32` items routed to any one cluster (each cluster counts its items mod `2**32`).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, equinox as eqx, jax.numpy as jnp
+
+            buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=2, num_clusters=2,
+                                        cluster_capacity=4,
+                                        cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
+            buffer = buffer.add({"x": jnp.ones((2, 3))})  # 3 steps of 2 rows, all to cluster 1
+            assert int(buffer.steps_added()) == 3
+            assert int(eqx.filter_jit(lambda b: b.steps_added())(buffer)) == 3
+            ```
+        """
+        total = jnp.sum(self.storage.count, dtype=jnp.uint32)
+        return total // jnp.uint32(self.add_batch_size)
+
+    def cluster_sizes(self) -> Int[Array, " clusters"]:
+        """The number of items held in each cluster, `(num_clusters,)` int32.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=2, num_clusters=2,
+                                        cluster_capacity=4,
+                                        cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
+            buffer = buffer.add({"x": jnp.array([[1.0, -1.0, 2.0], [-3.0, 4.0, 5.0]])})
+            assert buffer.cluster_sizes().tolist() == [2, 4]
+            ```
+        """
+        return self.storage.fill
+
+    def steps_in(self, batch: ExperienceBatch, where: str = "add()") -> int | None:
+        """Check `batch` as `add` does (structure, shapes, dtypes, `add_batch_size` rows) and
+        return its number of items per row: `None` for leaves `(add_batch_size, *leaf)`,
+        else `T` for `(add_batch_size, T, *leaf)`. Errors start with `where`.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=2,
+                                        num_clusters=2, cluster_capacity=4,
+                                        cluster_fn=lambda item: (item["x"] > 0).astype(int))
+            assert buffer.steps_in({"x": jnp.zeros((2, 3))}) == 3
+            ```
+        """
+        return self.storage.steps_in(batch, where)
+
+    def add(self: _Clustered, batch: ExperienceBatch) -> _Clustered:
+        """Route every item of `batch` to its cluster and append it there (a full cluster
+        overwrites its oldest items; when one `add` brings more than `cluster_capacity` items
+        to a cluster, only its newest ones are kept). Items are taken in time order, rows in
+        order within a step. An add of `N` items costs `O(N * num_clusters)` integer work
+        plus one scatter of the `N` items (and, prioritised, a write of their leaves in each
+        cluster's tree).
+
+        Raises inside jit (through `eqx.error_if`) when `cluster_fn` gives an id outside
+        `[0, num_clusters)`.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=2, num_clusters=2,
+                                        cluster_capacity=2,
+                                        cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
+            buffer = buffer.add({"x": jnp.array([1.0, -1.0])})  # one item per row
+            buffer = buffer.add({"x": jnp.array([[2.0, 3.0], [-2.0, 4.0]])})  # two items per row
+            assert buffer.cluster_sizes().tolist() == [2, 2]
+            held = buffer.storage.data["x"][1]
+            assert sorted(held.tolist()) == [3.0, 4.0]  # cluster 1 kept its newest 2
+            ```
+        """
+        where = f"{type(self).__name__}.add()"
+        storage, routed = self.storage.append(batch, self.cluster_fn, where)
+        rule = self.rule.added(storage, routed)
+        return eqx.tree_at(lambda b: (b.storage, b.rule), self, (storage, rule))
+
+
+class ClusteredBuffer(AbstractClusteredBuffer):
+    """Clustered replay, uniform inside each cluster: `sample` draws a cluster uniformly (or
+    by `weights`) among those holding items, then an item uniformly inside it. So item `i` of
+    cluster `c` is drawn with probability `w_c / sum_{c' held} w_c' * 1 / n_c` (`n_c` the
+    items cluster `c` holds).
 
     Storage is one array per leaf shaped `(num_clusters, cluster_capacity, *leaf)`, with a
-    write head and a fill count per cluster. An `add` of `N` items costs `O(N * num_clusters)`
-    integer work (a running count per cluster gives each item its slot) plus one scatter of the
-    `N` items; a `sample` of `B` items costs one gather of `B` items.
+    write head, a fill count and a count of items ever routed per cluster
+    (`buffer.storage`). An `add` of `N` items costs `O(N * num_clusters)` integer work (a
+    running count per cluster gives each item its slot) plus one scatter of the `N` items; a
+    `sample` of `B` items costs one gather of `B` items.
 
     !!! example
 
@@ -72,13 +597,9 @@ class ClusteredBuffer(eqx.Module):
         ```
     """
 
-    data: PyTree[Shaped[Array, "clusters capacity ..."]]
-    head: Int[Array, " clusters"]
-    fill: Int[Array, " clusters"]
-    any_added: Bool[Array, ""]
-    num_clusters: int = eqx.field(static=True)
-    cluster_capacity: int = eqx.field(static=True)
-    add_batch_size: int = eqx.field(static=True)
+    storage: ClusterStorage
+    # (an AbstractVar may be narrowed by a subclass; pyright reads it as a mutable field)
+    rule: UniformInCluster  # pyright: ignore[reportIncompatibleVariableOverride]
     cluster_fn: Callable[[Any], Any] = eqx.field(static=True)
     weights: tuple[float, ...] | None = eqx.field(static=True)
 
@@ -104,185 +625,25 @@ class ClusteredBuffer(eqx.Module):
         - `weights`: the probability of drawing each cluster (non-negative, summing to 1),
             renormalised over the clusters holding items; default uniform over them.
         """
-        where = "ClusteredBuffer()"
-        self.add_batch_size = check_positive_int(where, "add_batch_size", add_batch_size)
-        self.num_clusters = check_positive_int(where, "num_clusters", num_clusters)
-        self.cluster_capacity = check_positive_int(where, "cluster_capacity", cluster_capacity)
-        if not callable(cluster_fn):
-            raise TypeError(f"{where}: `cluster_fn` must be a function of one item.")
+        self.storage, self.weights = _configure(
+            "ClusteredBuffer()",
+            example,
+            add_batch_size,
+            num_clusters,
+            cluster_capacity,
+            cluster_fn,
+            weights,
+        )
         self.cluster_fn = cluster_fn
-        if weights is not None:
-            weights = tuple(float(w) for w in weights)
-            if len(weights) != self.num_clusters:
-                raise ValueError(
-                    f"{where}: {len(weights)} weights for num_clusters={self.num_clusters}."
-                )
-            if not all(math.isfinite(w) and w >= 0 for w in weights):
-                raise ValueError(f"{where}: weights must be finite and >= 0, got {weights}.")
-            if abs(sum(weights) - 1) > 1e-6:
-                raise ValueError(f"{where}: weights must sum to 1, got {weights}.")
-        self.weights = weights
-        # A (clusters, capacity) ring allocates and checks the example the usual way.
-        self.data = RingStorage(example, self.num_clusters, self.cluster_capacity).data
-        self.head = jnp.zeros(self.num_clusters, jnp.int32)
-        self.fill = jnp.zeros(self.num_clusters, jnp.int32)
-        self.any_added = jnp.array(False)
-        item = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), self.data)
-        out = jax.eval_shape(cluster_fn, item)
-        if (
-            not hasattr(out, "dtype")
-            or not jnp.issubdtype(out.dtype, jnp.integer)
-            or tuple(out.shape) != ()
-        ):
-            dtype = getattr(out, "dtype", type(out).__name__)
-            got = f"{dtype} of shape {getattr(out, 'shape', None)}"
-            raise TypeError(
-                f"{where}: `cluster_fn` must return a 0-d integer cluster id for one item, got "
-                f"{got}."
-            )
-
-    def can_sample(self) -> BoolScalar:
-        """Whether any item was ever added (0-d bool; independent of the routing).
-
-        !!! example
-
-            ```python
-            import equibuffer as eb, jax, jax.numpy as jnp
-
-            buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=2, num_clusters=2,
-                                        cluster_capacity=4,
-                                        cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
-            assert not buffer.can_sample()
-            buffer = buffer.add({"x": jnp.ones(2)})
-            assert buffer.can_sample() and buffer.can_sample().dtype == jnp.bool_
-            ```
-        """
-        return self.any_added
-
-    def size(self) -> IntScalar:
-        """The number of items held over all clusters (0-d int32).
-
-        !!! example
-
-            ```python
-            import equibuffer as eb, jax, jax.numpy as jnp
-
-            buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=2, num_clusters=2,
-                                        cluster_capacity=4,
-                                        cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
-            buffer = buffer.add({"x": jnp.ones((2, 3))})  # 6 items, all to cluster 1, which holds 4
-            assert int(buffer.size()) == 4 and buffer.size().dtype == jnp.int32
-            ```
-        """
-        return jnp.sum(self.fill, dtype=jnp.int32)
-
-    def cluster_sizes(self) -> Int[Array, " clusters"]:
-        """The number of items held in each cluster, `(num_clusters,)` int32.
-
-        !!! example
-
-            ```python
-            import equibuffer as eb, jax, jax.numpy as jnp
-
-            buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=2, num_clusters=2,
-                                        cluster_capacity=4,
-                                        cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
-            buffer = buffer.add({"x": jnp.array([[1.0, -1.0, 2.0], [-3.0, 4.0, 5.0]])})
-            assert buffer.cluster_sizes().tolist() == [2, 4]
-            ```
-        """
-        return self.fill
-
-    def steps_in(self, batch: ExperienceBatch, where: str = "add()") -> int | None:
-        """Check `batch` as `add` does (structure, shapes, dtypes, `add_batch_size` rows) and
-        return its number of items per row: `None` for leaves `(add_batch_size, *leaf)`,
-        else `T` for `(add_batch_size, T, *leaf)`. Errors start with `where`.
-
-        !!! example
-
-            ```python
-            import equibuffer as eb, jax.numpy as jnp
-
-            buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=2,
-                                        num_clusters=2, cluster_capacity=4,
-                                        cluster_fn=lambda item: (item["x"] > 0).astype(int))
-            assert buffer.steps_in({"x": jnp.zeros((2, 3))}) == 3
-            ```
-        """
-        # The ring's own batch check, against `add_batch_size` rows.
-        checker: Any = types.SimpleNamespace(data=self.data, rows=self.add_batch_size)
-        return RingStorage.steps_in(checker, batch, where)
-
-    def add(self, batch: ExperienceBatch) -> "ClusteredBuffer":
-        """Route every item of `batch` to its cluster and append it there (a full cluster
-        overwrites its oldest items; when one `add` brings more than `cluster_capacity` items
-        to a cluster, only its newest ones are kept). Items are taken in time order, rows in
-        order within a step.
-
-        Raises inside jit (through `eqx.error_if`) when `cluster_fn` gives an id outside
-        `[0, num_clusters)`.
-
-        !!! example
-
-            ```python
-            import equibuffer as eb, jax, jax.numpy as jnp
-
-            buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=2, num_clusters=2,
-                                        cluster_capacity=2,
-                                        cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
-            buffer = buffer.add({"x": jnp.array([1.0, -1.0])})  # one item per row
-            buffer = buffer.add({"x": jnp.array([[2.0, 3.0], [-2.0, 4.0]])})  # two items per row
-            assert buffer.cluster_sizes().tolist() == [2, 2]
-            assert sorted(buffer.data["x"][1].tolist()) == [3.0, 4.0]  # cluster 1 kept its newest 2
-            ```
-        """
-        where = "ClusteredBuffer.add()"
-        t = self.steps_in(batch, where)
-
-        def flatten(x: Any) -> Array:
-            x = jnp.asarray(x)
-            if t is None:
-                return x
-            return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])  # time-major
-
-        items = jax.tree.map(flatten, batch)
-        k, cap = self.num_clusters, self.cluster_capacity
-        ids = jax.vmap(self.cluster_fn)(items).astype(jnp.int32)
-        ids = eqx.error_if(
-            ids,
-            jnp.any((ids < 0) | (ids >= k)),
-            f"{where}: `cluster_fn` returned a cluster id outside [0, num_clusters={k}).",
-        )
-        onehot = (ids[:, None] == jnp.arange(k, dtype=jnp.int32)[None, :]).astype(jnp.int32)
-        counts = jnp.sum(onehot, axis=0, dtype=jnp.int32)
-        rank = (
-            jnp.take_along_axis(jnp.cumsum(onehot, axis=0, dtype=jnp.int32), ids[:, None], axis=1)[
-                :, 0
-            ]
-            - 1
-        )
-        keep = rank >= counts[ids] - cap  # only the newest `cap` items of one cluster
-        slot = (self.head[ids] + rank) % cap
-        target = jnp.where(keep, ids, k)  # out of range: dropped by the scatter
-        data = jax.tree.map(
-            lambda d, x: d.at[target, slot].set(x, mode="drop", unique_indices=True),
-            self.data,
-            items,
-        )
-        head = (self.head + counts) % cap
-        fill = jnp.minimum(self.fill + counts, cap)
-        return eqx.tree_at(
-            lambda b: (b.data, b.head, b.fill, b.any_added),
-            self,
-            (data, head, fill, jnp.array(True)),
-        )
+        self.rule = UniformInCluster()  # pyright: ignore[reportIncompatibleVariableOverride]
 
     def sample(self, key: PRNGKeyArray, batch_size: int) -> ClusteredSample:
-        """Draw `batch_size` items (with replacement): for each, a cluster among those holding
-        items, uniformly or by `weights` (renormalised over them), then an item uniformly in
-        that cluster.
+        """Draw `batch_size` items (with replacement, independently): for each, a cluster
+        among those holding items, uniformly or by `weights` (renormalised over them), then an
+        item uniformly in that cluster.
 
-        Raises inside jit (through `eqx.error_if`) when the buffer holds no item.
+        Raises inside jit (through `eqx.error_if`) when no cluster of positive weight holds
+        an item.
 
         !!! example
 
@@ -297,27 +658,218 @@ class ClusteredBuffer(eqx.Module):
             assert sample.experience["x"].shape == (16,) and (sample.experience["x"] > 0).all()
             ```
         """
-        batch_size = check_positive_int("ClusteredBuffer.sample()", "batch_size", batch_size)
+        where = "ClusteredBuffer.sample()"
+        batch_size = check_positive_int(where, "batch_size", batch_size)
+        cluster, slot, number = self.rule.draw(self.storage, key, batch_size, self._shares(), where)
+        return ClusteredSample(
+            experience=self.storage.gather(cluster, slot),
+            indices=cluster * self.cluster_capacity + slot,
+            steps=number,
+            cluster=cluster,
+        )
+
+
+class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSource):
+    """Prioritised clustered replay: items routed to clusters as in
+    [`equibuffer.ClusteredBuffer`][], drawn by cluster first, then by priority inside the
+    cluster. The clusters keep the shares they are given; priorities decide which items of a
+    cluster are replayed.
+
+    **The sampling law.** Item `i` of cluster `c` is drawn with probability
+
+    `P(i) = w_c / sum_{c' in D} w_c'  *  p_i**alpha / sum_{j in c} p_j**alpha`
+
+    where `w` are the cluster `weights` (uniform by default) and `D` the clusters of positive
+    weight that hold an item of positive priority (an empty cluster's share, or that of a
+    cluster whose items all have priority 0, goes to the others). Draws are independent.
+
+    - New items enter at the largest priority set so far (1 before any `set_priorities`),
+        raised to `alpha` like every other priority. A priority of 0 excludes an item.
+    - **Importance weights** correct the priorities' bias inside each cluster, not the
+        clusters' shares (choosing those is the point of clustering, and with `alpha=0` the
+        weights are all 1, as for the uniform `ClusteredBuffer`): `(n_c * P(i | c)) ** -beta`
+        divided by the largest in the batch, with `P(i | c)` the second factor above and `n_c`
+        the number of items cluster `c` holds.
+    - `set_priorities(sample, priorities)` routes each priority to the item's own cluster;
+        an update for an item overwritten since it was sampled is dropped (the sample's
+        `steps` number the items of each cluster).
+    - `can_sample()` depends only on the counters (any add made); `sample` raises when no
+        cluster of positive weight holds an item, or when every item of those has priority 0.
+
+    Each cluster has its own [`equibuffer.SumTree`][] (`trees[c]`, leaf = slot): a draw
+    searches every cluster's tree for every element (`O(K * B * log(cluster_capacity))` for
+    `K` clusters and `B` elements) and keeps the one of its cluster, so a draw never leaves
+    its cluster, whatever the float rounding.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        example = {"obs": jnp.zeros(2), "ret": jnp.float32(0)}
+        buffer = eb.PrioritisedClusteredBuffer(
+            example, add_batch_size=4, num_clusters=2, cluster_capacity=16, alpha=1.0,
+            cluster_fn=lambda item: (item["ret"] > 0).astype(jnp.int32))
+        buffer = buffer.add({"obs": jnp.zeros((4, 2)), "ret": jnp.array([1.0, -1.0, 2.0, 3.0])})
+        sample = buffer.sample(jax.random.key(0), batch_size=8, beta=0.4)
+        buffer = buffer.set_priorities(sample, jnp.arange(1.0, 9.0))  # |TD error| + eps, say
+        assert sample.experience["obs"].shape == (8, 2) and float(buffer.max_priority) <= 8.0
+        ```
+    """
+
+    storage: ClusterStorage
+    # (an AbstractVar may be narrowed by a subclass; pyright reads it as a mutable field)
+    rule: PrioritisedInCluster  # pyright: ignore[reportIncompatibleVariableOverride]
+    cluster_fn: Callable[[Any], Any] = eqx.field(static=True)
+    weights: tuple[float, ...] | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        example: ExampleTree,
+        *,
+        add_batch_size: int,
+        num_clusters: int,
+        cluster_capacity: int,
+        cluster_fn: Callable[[Any], Any],
+        weights: Sequence[float] | None = None,
+        alpha: float = 0.6,
+    ):
+        """**Arguments:**
+
+        - `example`, `add_batch_size`, `num_clusters`, `cluster_capacity`, `cluster_fn`,
+            `weights`: as for [`equibuffer.ClusteredBuffer`][]; a cluster's weight is
+            renormalised over the clusters holding an item of positive priority.
+        - `alpha`: the priority exponent, `>= 0`: 0 is uniform over each cluster's items of
+            positive priority, 1 fully proportional. Default 0.6 (Schaul et al.).
+        """
+        where = "PrioritisedClusteredBuffer()"
+        self.storage, self.weights = _configure(
+            where, example, add_batch_size, num_clusters, cluster_capacity, cluster_fn, weights
+        )
+        self.cluster_fn = cluster_fn
+        self.rule = PrioritisedInCluster(  # pyright: ignore[reportIncompatibleVariableOverride]
+            trees=tuple(SumTree(self.storage.cluster_capacity) for _ in range(num_clusters)),
+            max_priority=jnp.array(1.0, jnp.float32),
+            alpha=check_alpha(where, alpha),
+        )
+
+    @property
+    def trees(self) -> tuple[SumTree, ...]:
+        """One [`equibuffer.SumTree`][] per cluster, leaf `slot` holding `priority ** alpha`
+        of the item in that slot (0 for an empty slot)."""
+        return self.rule.trees
+
+    @property
+    def max_priority(self) -> Float[Array, ""]:
+        """The largest priority set so far (1 before any): new items enter at it."""
+        return self.rule.max_priority
+
+    @property
+    def alpha(self) -> float:
+        """The priority exponent."""
+        return self.rule.alpha
+
+    def sample(
+        self,
+        key: PRNGKeyArray,
+        batch_size: int,
+        beta: float | Float[ArrayLike, ""] = 1.0,
+    ) -> PrioritisedClusteredSample:
+        """Draw `batch_size` items (with replacement, independently) by the law in the class
+        docstring: a cluster by `weights` among those holding an item of positive priority,
+        then an item of it in proportion to `priority ** alpha`.
+
+        **Arguments:**
+
+        - `key`: a JAX PRNG key.
+        - `batch_size`: the number of items drawn (static).
+        - `beta`: the importance-sampling exponent, `>= 0` (a float or a 0-d array).
+
+        **Returns:**
+
+        A [`equibuffer.PrioritisedClusteredSample`][]: `experience`, `indices`, `steps`,
+        `cluster`, `probabilities` and `weights`.
+
+        Raises inside jit (through `eqx.error_if`) when no cluster of positive weight holds an
+        item, or when every item they hold has priority 0.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.PrioritisedClusteredBuffer(
+                {"x": jnp.float32(0)}, add_batch_size=3, num_clusters=2, cluster_capacity=4,
+                alpha=1.0, cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
+            buffer = buffer.add({"x": jnp.array([-1.0, 2.0, 3.0])})  # cluster 0: 1 item, 1: 2
+            sample = buffer.sample(jax.random.key(0), batch_size=16, beta=1.0)
+            # each cluster half the time; inside cluster 1, each of its 2 items half of that
+            p = jnp.where(sample.cluster == 0, 0.5, 0.25)
+            assert jnp.allclose(sample.probabilities, p) and jnp.allclose(sample.weights, 1.0)
+            ```
+        """
+        where = "PrioritisedClusteredBuffer.sample()"
+        batch_size = check_positive_int(where, "batch_size", batch_size)
+        exponent = check_beta(where, beta)
+        drawn = self.rule.draw(self.storage, key, batch_size, self._shares(), exponent, where)
+        return PrioritisedClusteredSample(
+            experience=self.storage.gather(drawn.cluster, drawn.slot),
+            indices=drawn.cluster * self.cluster_capacity + drawn.slot,
+            steps=drawn.number,
+            probabilities=drawn.probabilities,
+            weights=drawn.weights,
+            cluster=drawn.cluster,
+        )
+
+    def set_priorities(
+        self,
+        sample: Sample | Int[ArrayLike, " batch"],
+        priorities: Float[ArrayLike, " batch"],
+        *,
+        steps: Steps | None = None,
+    ) -> "PrioritisedClusteredBuffer":
+        """Return the buffer with new priorities for sampled items, each set in its own
+        cluster's tree.
+
+        **Arguments:**
+
+        - `sample`: the sample the priorities are for, or its `indices` together with
+            `steps=sample.steps`.
+        - `priorities`: `(batch,)` non-negative finite priorities, before the exponent `alpha`.
+            Negative, NaN or infinite values raise inside jit through `eqx.error_if`.
+        - `steps`: only when `sample` is an index array: `sample.steps`.
+
+        **Returns:**
+
+        The updated buffer. An update is **dropped** when its slot no longer holds the item
+        that was sampled (its cluster has overwritten it since). When an index appears more
+        than once, one of its updates is applied, unspecified which. The largest priority
+        applied raises the priority at which new items enter.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.PrioritisedClusteredBuffer(
+                {"x": jnp.float32(0)}, add_batch_size=2, num_clusters=2, cluster_capacity=2,
+                cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
+            buffer = buffer.add({"x": jnp.array([-1.0, 2.0])})
+            sample = buffer.sample(jax.random.key(0), batch_size=4)
+            updated = buffer.set_priorities(sample, jnp.full(4, 5.0))
+            assert float(updated.max_priority) == 5.0  # new items will enter at priority 5
+            overwritten = buffer.add({"x": jnp.array([[-2.0, -3.0], [4.0, 5.0]])})
+            stale = overwritten.set_priorities(sample, jnp.full(4, 5.0))
+            assert float(stale.max_priority) == 1.0  # every sampled item was replaced: dropped
+            ```
+        """
+        where = "PrioritisedClusteredBuffer.set_priorities()"
         k, cap = self.num_clusters, self.cluster_capacity
-        base = (
-            jnp.ones(k, jnp.float32)
-            if self.weights is None
-            else jnp.asarray(self.weights, jnp.float32)
+        indices, steps = update_target(where, sample, steps)
+        indices, steps, new = check_priority_update(
+            where, k * cap, indices, steps, priorities, bound="num_clusters * cluster_capacity"
         )
-        w = jnp.where(self.fill > 0, base, 0.0)
-        key_c, key_i = jax.random.split(key)
-        cluster = jax.random.categorical(key_c, jnp.log(w), shape=(batch_size,)).astype(jnp.int32)
-        cluster = eqx.error_if(
-            cluster,
-            ~(jnp.sum(w) > 0),
-            "ClusteredBuffer.sample(): no cluster of positive weight holds an item yet. Add "
-            "data first, or check `buffer.can_sample()` and the weights.",
-        )
-        fill = self.fill[cluster]
-        u = jax.random.uniform(key_i, (batch_size,), jnp.float32)
-        j = jnp.minimum((u * fill.astype(jnp.float32)).astype(jnp.int32), fill - 1)
-        slot = (self.head[cluster] - fill + j + cap) % cap
-        experience = jax.tree.map(
-            lambda d: d.at[cluster, slot].get(mode="promise_in_bounds"), self.data
-        )
-        return ClusteredSample(experience=experience, cluster=cluster, indices=cluster * cap + slot)
+        cluster, slot = indices // cap, indices % cap
+        held, number = self.storage.numbers(cluster, slot)
+        rule = self.rule.with_priorities(cluster, slot, new, held & (number == steps))
+        return eqx.tree_at(lambda b: b.rule, self, rule)

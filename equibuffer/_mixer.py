@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree, Shaped
 
-from ._buffers._base import AbstractBuffer, Sample
-from ._buffers._prioritised import AbstractPrioritisedBuffer
+from ._buffers._base import Sample
 from ._checks import check_positive_int, keystr
-from ._custom_types import BoolScalar
+from ._custom_types import BoolScalar, IntScalar
+from ._protocol import AbstractPrioritisedSource, AbstractSource
 
 
 class MixedSample(eqx.Module):
@@ -25,9 +25,10 @@ class MixedSample(eqx.Module):
     - `weights`: `(batch,)` float32 importance weights: a prioritised source's own
         `weights` on its rows, 1 on the rows of a uniform source.
     - `samples`: each source's own sample (`None` for a source given 0 rows), with its
-        `indices` and `steps`: what [`equibuffer.Mixer.set_priorities`][] routes back. Their
-        `experience` is `None`: those rows are in `experience` (not held twice, so a
-        `MixedSample` returned from a jitted step carries the batch once).
+        `indices` and `steps` (a `MixedSample` for a source that is itself a `Mixer`): what
+        [`equibuffer.Mixer.set_priorities`][] routes back. Their `experience` is `None`:
+        those rows are in `experience` (not held twice, so a `MixedSample` returned from a
+        jitted step carries the batch once).
 
     !!! example
 
@@ -47,7 +48,7 @@ class MixedSample(eqx.Module):
     experience: PyTree[Shaped[Array, "batch ..."]]
     source: Int[Array, " batch"]
     weights: Float[Array, " batch"]
-    samples: tuple[Sample | None, ...]
+    samples: tuple["Sample | MixedSample | None", ...]
 
 
 def largest_remainder(proportions: Sequence[float], batch_size: int) -> tuple[int, ...]:
@@ -62,10 +63,15 @@ def largest_remainder(proportions: Sequence[float], batch_size: int) -> tuple[in
     return tuple(counts)
 
 
-class Mixer(eqx.Module):
-    """Samples one batch made of fixed proportions of several buffers (online and offline
+class Mixer(AbstractPrioritisedSource):
+    """Samples one batch made of fixed proportions of several sources (online and offline
     data, uniform and prioritised), each source drawing its share as its own sample: its
     rows follow that source's own uniform or prioritised distribution.
+
+    A source is any [`equibuffer.AbstractSource`][]: every buffer (ring, episode-aware,
+    clustered, uniform or prioritised) and a `Mixer` itself. The prioritised ones (each an
+    [`equibuffer.AbstractPrioritisedSource`][]) get `beta` and their rows' priorities back;
+    a `Mixer` is one too, so mixers nest.
 
     The row counts are static: source `i` gets `floor(p_i * batch_size)` rows and the rows
     left over go one each to the largest fractional parts, ties to the lower index
@@ -94,13 +100,14 @@ class Mixer(eqx.Module):
         ```
     """
 
-    buffers: tuple[AbstractBuffer, ...]
+    buffers: tuple[AbstractSource, ...]
     proportions: tuple[float, ...] = eqx.field(static=True)
 
-    def __init__(self, buffers: Sequence[AbstractBuffer], proportions: Sequence[float]):
+    def __init__(self, buffers: Sequence[AbstractSource], proportions: Sequence[float]):
         """**Arguments:**
 
-        - `buffers`: the source buffers (any [`equibuffer.AbstractBuffer`][]).
+        - `buffers`: the sources (any [`equibuffer.AbstractSource`][]: a buffer or a
+            `Mixer`).
         - `proportions`: one share per buffer, each `>= 0`, summing to 1 (within 1e-6).
         """
         where = "Mixer()"
@@ -108,8 +115,11 @@ class Mixer(eqx.Module):
         if not buffers:
             raise ValueError(f"{where}: give at least one buffer.")
         for i, b in enumerate(buffers):
-            if not isinstance(b, AbstractBuffer):
-                raise TypeError(f"{where}: buffers[{i}] is {type(b).__name__}, not a buffer.")
+            if not isinstance(b, AbstractSource):
+                raise TypeError(
+                    f"{where}: buffers[{i}] is {type(b).__name__}, not a buffer (an "
+                    "equibuffer.AbstractSource)."
+                )
         props = tuple(proportions)
         if len(props) != len(buffers):
             raise ValueError(
@@ -164,6 +174,22 @@ class Mixer(eqx.Module):
         ]
         return jnp.all(jnp.stack(ready))
 
+    def size(self) -> IntScalar:
+        """The number of steps (or items) the sources hold together (0-d int32).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            a = eb.ItemBuffer({"x": jnp.zeros(2)}, add_batch_size=1, capacity=8)
+            b = eb.ItemBuffer({"x": jnp.zeros(2)}, add_batch_size=2, capacity=8)
+            a, b = a.add({"x": jnp.ones((1, 3, 2))}), b.add({"x": jnp.ones((2, 2))})
+            assert int(eb.Mixer((a, b), proportions=(0.5, 0.5)).size()) == 3 + 2
+            ```
+        """
+        return jnp.sum(jnp.stack([b.size() for b in self.buffers]), dtype=jnp.int32)
+
     def sample(
         self, key: PRNGKeyArray, batch_size: int, beta: float | Float[ArrayLike, ""] = 1.0
     ) -> MixedSample:
@@ -198,29 +224,29 @@ class Mixer(eqx.Module):
         """
         counts = self.counts(batch_size)
         keys = jax.random.split(key, len(self.buffers))
-        samples: list[Sample | None] = []
+        samples: list[Any] = []
+        weights: list[Array] = []
         for i, (buffer, n) in enumerate(zip(self.buffers, counts, strict=True)):
             if n == 0:
                 samples.append(None)
-            elif isinstance(buffer, AbstractPrioritisedBuffer):
+            elif isinstance(buffer, AbstractPrioritisedSource):
                 samples.append(buffer.sample(keys[i], n, beta=beta))
+                weights.append(samples[-1].weights.astype(jnp.float32))
             else:
                 samples.append(buffer.sample(keys[i], n))
+                weights.append(jnp.ones(n, jnp.float32))
         drawn = [(i, s) for i, s in enumerate(samples) if s is not None]
         self._check_alike([(i, s.experience) for i, s in drawn])
         experience = jax.tree.map(
             lambda *xs: jnp.concatenate(xs, axis=0), *[s.experience for _, s in drawn]
         )
         source = jnp.concatenate([jnp.full(counts[i], i, jnp.int32) for i, _ in drawn])
-        weights = jnp.concatenate(
-            [
-                getattr(s, "weights", jnp.ones(counts[i], jnp.float32)).astype(jnp.float32)
-                for i, s in drawn
-            ]
-        )
         samples = [None if s is None else dataclasses.replace(s, experience=None) for s in samples]
         return MixedSample(
-            experience=experience, source=source, weights=weights, samples=tuple(samples)
+            experience=experience,
+            source=source,
+            weights=jnp.concatenate(weights),
+            samples=tuple(samples),
         )
 
     def set_priorities(
@@ -256,11 +282,9 @@ class Mixer(eqx.Module):
             )
         buffers = list(self.buffers)
         start = 0
-        for i, (buffer, part) in enumerate(zip(self.buffers, sample.samples, strict=True)):
-            if part is None:
-                continue
-            n = part.indices.shape[0]
-            if isinstance(buffer, AbstractPrioritisedBuffer):
+        for i, (buffer, n) in enumerate(zip(self.buffers, self.counts(batch), strict=True)):
+            part = sample.samples[i]
+            if part is not None and isinstance(buffer, AbstractPrioritisedSource):
                 buffers[i] = buffer.set_priorities(part, priorities[start : start + n])
             start += n
         return eqx.tree_at(lambda m: m.buffers, self, tuple(buffers))

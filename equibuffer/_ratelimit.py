@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from ._buffers._base import AbstractBuffer, Sample
+from ._buffers._base import Sample
 from ._checks import check_positive_int
-from ._cluster import ClusteredBuffer, ClusteredSample
-from ._custom_types import BoolScalar, ExperienceBatch
+from ._custom_types import BoolScalar, ExperienceBatch, StepCount
+from ._protocol import AbstractPrioritisedSource, AbstractReplayBuffer
 
 
 # Every increment (`samples_per_insert * rows * T`, `batch_size`) and the tolerance must stay
@@ -120,7 +120,7 @@ class RateLimited(eqx.Module):
         ```
     """
 
-    buffer: AbstractBuffer | ClusteredBuffer
+    buffer: AbstractReplayBuffer
     credit_whole: Int[Array, ""]
     credit_fraction: Float[Array, ""]
     samples_per_insert: float = eqx.field(static=True)
@@ -128,16 +128,17 @@ class RateLimited(eqx.Module):
 
     def __init__(
         self,
-        buffer: AbstractBuffer | ClusteredBuffer,
+        buffer: AbstractReplayBuffer,
         samples_per_insert: float,
         tolerance: float,
     ):
         """**Arguments:**
 
-        - `buffer`: the buffer to limit, any [`equibuffer.AbstractBuffer`][] (prioritised
-            ones included) or a [`equibuffer.ClusteredBuffer`][] (whose items count as
-            steps). Its `min_length_time_axis` is the warm-up: nothing is counted before it can be
-            sampled. Counting starts here, at a credit of 0, whatever it already holds.
+        - `buffer`: the buffer to limit, any [`equibuffer.AbstractReplayBuffer`][]: a ring
+            buffer (uniform, prioritised, episode-aware) or a clustered one (whose items
+            count as steps). Its `can_sample()` ends the warm-up (for a ring buffer, its
+            `min_size`): nothing is counted before it can be sampled. Counting starts
+            here, at a credit of 0, whatever it already holds.
         - `samples_per_insert`: the target number of windows sampled per step inserted (per
             row), a Python float `> 0`.
         - `tolerance`: how far, in windows, the count of samples may run ahead of or behind
@@ -147,10 +148,10 @@ class RateLimited(eqx.Module):
             `can_sample`/`can_add` are traced).
         """
         where = "RateLimited()"
-        if not isinstance(buffer, AbstractBuffer | ClusteredBuffer):
+        if not isinstance(buffer, AbstractReplayBuffer):
             raise TypeError(
-                f"{where}: `buffer` must be a replay buffer (an equibuffer.AbstractBuffer such as "
-                "TrajectoryBuffer or PrioritisedTransitionBuffer, or a ClusteredBuffer), got "
+                f"{where}: `buffer` must be a replay buffer (an equibuffer.AbstractReplayBuffer "
+                "such as TrajectoryBuffer, PrioritisedTransitionBuffer or ClusteredBuffer), got "
                 f"{type(buffer).__name__}. (A Queue has its own `can_add`/`can_sample` and "
                 "needs no rate limiter.)"
             )
@@ -204,6 +205,22 @@ class RateLimited(eqx.Module):
         batch_size = check_positive_int(where, "batch_size", batch_size)
         steps = check_positive_int(where, "steps", steps)
         return (batch_size + self.samples_per_insert * self.buffer.add_batch_size * steps) / 2
+
+    def steps_added(self) -> StepCount:
+        """The limited buffer's count of steps ever added per row (see
+        [`equibuffer.AbstractReplayBuffer.steps_added`][]), readable inside jit.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            buffer = eb.ItemBuffer({"x": jnp.zeros(())}, add_batch_size=2, capacity=8)
+            limited = eb.RateLimited(buffer, samples_per_insert=1.0, tolerance=4.0)
+            assert int(limited.add({"x": jnp.zeros(2)}).steps_added()) == 1
+            ```
+        """
+        return self.buffer.steps_added()
 
     def can_add(self, steps: int = 1) -> BoolScalar:
         """Whether the loop may add `steps` steps (to every row) now: the buffer is still
@@ -324,7 +341,7 @@ class RateLimited(eqx.Module):
 
     def sample(
         self, key: PRNGKeyArray, batch_size: int, **kwargs: Any
-    ) -> tuple["RateLimited", Sample | ClusteredSample]:
+    ) -> tuple["RateLimited", Sample]:
         """Sample the wrapped buffer and take `batch_size` off the credit.
 
         **Arguments:**
@@ -371,8 +388,8 @@ class RateLimited(eqx.Module):
         self, sample: Sample, priorities: Float[ArrayLike, " batch"], **kwargs: Any
     ) -> "RateLimited":
         """Return the limiter with the wrapped buffer's `set_priorities(sample, priorities,
-        **kwargs)` applied (the credit is unchanged). Only for a buffer that has
-        `set_priorities` (the prioritised buffers).
+        **kwargs)` applied (the credit is unchanged). Only for a prioritised buffer (an
+        [`equibuffer.AbstractPrioritisedSource`][]).
 
         !!! example
 
@@ -394,14 +411,14 @@ class RateLimited(eqx.Module):
             assert float(limited.credit()) == 0.0  # 1.0 * 2 inserted - 2 sampled
             ```
         """
-        update = getattr(self.buffer, "set_priorities", None)
-        if not callable(update):
+        if not isinstance(self.buffer, AbstractPrioritisedSource):
             raise TypeError(
                 f"{type(self).__name__}.set_priorities(): the wrapped "
                 f"{type(self.buffer).__name__} has no priorities; wrap a prioritised buffer "
-                "(e.g. PrioritisedTransitionBuffer) to set them."
+                "(an equibuffer.AbstractPrioritisedSource, e.g. PrioritisedTransitionBuffer) "
+                "to set them."
             )
-        buffer = update(sample, priorities, **kwargs)
+        buffer = self.buffer.set_priorities(sample, priorities, **kwargs)
         return eqx.tree_at(lambda r: r.buffer, self, buffer)
 
     # Internals.

@@ -157,40 +157,7 @@ class RingStorage(eqx.Module):
                 raise AssertionError("not refused")
             ```
         """
-        got = check_structure(where, jax.tree.structure(self.data), batch)
-        steps: int | None = None
-        first_path: Any = None
-        for (path, x), stored in zip(got, jax.tree.leaves(self.data), strict=True):
-            if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-                raise TypeError(
-                    f"{where}: leaf {keystr(path)} is {type(x).__name__}, expected an array "
-                    f"of shape (add_batch_size={self.rows}, *{stored.shape[2:]})."
-                )
-            leaf = tuple(stored.shape[2:])
-            shape = tuple(x.shape)
-            if shape == (self.rows, *leaf):
-                t = None
-            elif len(shape) == len(leaf) + 2 and shape[0] == self.rows and shape[2:] == leaf:
-                t = shape[1]
-                if t == 0:
-                    raise ValueError(f"{where}: leaf {keystr(path)} has 0 time steps.")
-            else:
-                one = str((self.rows, *leaf)).replace("(", "(add_batch_size=", 1)
-                many = str((self.rows, "T", *leaf)).replace("(", "(add_batch_size=", 1)
-                raise ValueError(
-                    f"{where}: leaf {keystr(path)} has shape {shape}, expected {one} for one "
-                    f"step or {many} for T steps.".replace("'T'", "T")
-                )
-            if first_path is not None and t != steps:
-                a = "one step" if steps is None else f"{steps} steps"
-                b = "one step" if t is None else f"{t} steps"
-                raise ValueError(
-                    f"{where}: leaf {keystr(path)} holds {b} but leaf {keystr(first_path)} "
-                    f"holds {a}; all leaves must hold the same number of steps."
-                )
-            check_dtype(where, path, x.dtype, stored.dtype)
-            steps, first_path = t, path
-        return steps
+        return check_batch(where, self.data, self.rows, batch)
 
     def write(self, batch: ExperienceBatch, where: str = "add()") -> "RingStorage":
         """Append one step (leaves `(rows, *leaf)`) or `T` steps (leaves `(rows, T, *leaf)`)
@@ -320,3 +287,47 @@ class RingStorage(eqx.Module):
             for bit in range(31, -1, -1):
                 acc = (acc * jnp.uint32(2) + ((word >> bit) & jnp.uint32(1))) % m
         return acc.astype(jnp.int32)
+
+
+def check_batch(
+    where: str, data: PyTree[Shaped[Array, "rows length ..."]], rows: int, batch: ExperienceBatch
+) -> int | None:
+    """`batch` checked against `data` (leaves `(rows, length, *leaf)`): the add-batch check
+    of [`equibuffer.RingStorage.steps_in`][], for any storage whose adds bring `rows` rows.
+    Returns `None` for a single step (leaves `(rows, *leaf)`), else `T` for leaves
+    `(rows, T, *leaf)`; raises a `ValueError`/`TypeError` naming the first bad leaf, its
+    message starting with `where`."""
+    got = check_structure(where, jax.tree.structure(data), batch)
+    steps: int | None = None
+    first_path: Any = None
+    for (path, x), stored in zip(got, jax.tree.leaves(data), strict=True):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(
+                f"{where}: leaf {keystr(path)} is {type(x).__name__}, expected an array "
+                f"of shape (add_batch_size={rows}, *{stored.shape[2:]})."
+            )
+        leaf = tuple(stored.shape[2:])
+        shape = tuple(x.shape)
+        if shape == (rows, *leaf):
+            t = None
+        elif len(shape) == len(leaf) + 2 and shape[0] == rows and shape[2:] == leaf:
+            t = shape[1]
+            if t == 0:
+                raise ValueError(f"{where}: leaf {keystr(path)} has 0 time steps.")
+        else:
+            one = str((rows, *leaf)).replace("(", "(add_batch_size=", 1)
+            many = str((rows, "T", *leaf)).replace("(", "(add_batch_size=", 1)
+            raise ValueError(
+                f"{where}: leaf {keystr(path)} has shape {shape}, expected {one} for one "
+                f"step or {many} for T steps.".replace("'T'", "T")
+            )
+        if first_path is not None and t != steps:
+            a = "one step" if steps is None else f"{steps} steps"
+            b = "one step" if t is None else f"{t} steps"
+            raise ValueError(
+                f"{where}: leaf {keystr(path)} holds {b} but leaf {keystr(first_path)} "
+                f"holds {a}; all leaves must hold the same number of steps."
+            )
+        check_dtype(where, path, x.dtype, stored.dtype)
+        steps, first_path = t, path
+    return steps

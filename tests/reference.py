@@ -13,7 +13,8 @@ the way a buffer does (storage + a sampling rule + a view of what a sample retur
 - `Priorities`: the priority of each valid window under the prioritised buffers' documented
     rules (enter at the largest priority set so far, keep it while valid, updates of windows
     that are not valid now dropped).
-- `ClusteredReference`: the items each cluster of a `ClusteredBuffer` holds.
+- `ClusteredReference`: the items each cluster of a clustered buffer holds and, prioritised,
+    their priorities (a `Priorities` keyed by item) and the documented sampling law.
 
 A new combination (prioritised n-step transitions, episode-aware items) is a new pairing of
 these: e.g. `Priorities` refreshed from an `EpisodeRule` of `sequence_length=1`.
@@ -224,30 +225,79 @@ class Priorities:
 
 
 class ClusteredReference:
-    """The items of a `ClusteredBuffer`: every item ever routed to a cluster, in the order
+    """The items of a clustered buffer: every item ever routed to a cluster, in the order
     `add` takes them (time-major, rows in order within a step); each cluster holds its newest
-    `capacity`."""
+    `capacity`. With `alpha` (a `PrioritisedClusteredBuffer`), `priorities` holds the priority
+    of every item held (a `Priorities` keyed by item id), and `probability` is the documented
+    law: a cluster by weight among those holding an item of positive priority, then an item
+    in proportion to `p**alpha` inside it."""
 
-    def __init__(self, num_clusters: int, capacity: int, weights: tuple[float, ...] | None):
+    def __init__(
+        self,
+        num_clusters: int,
+        capacity: int,
+        weights: tuple[float, ...] | None,
+        alpha: float | None = None,
+    ):
         self.capacity = capacity
         self.weights = weights or (1.0,) * num_clusters
         self.routed: list[collections.deque] = [
             collections.deque(maxlen=capacity) for _ in range(num_clusters)
         ]
+        self.arrived = [0] * num_clusters  # items ever routed to each cluster
+        self.number: dict[int, int] = {}  # item id -> its place in its cluster's arrivals
+        self.cluster_of: dict[int, int] = {}
         self.any_added = False
+        self.priorities = None if alpha is None else Priorities(alpha)
 
     def add(self, items: list[tuple[int, int]]) -> None:
         """`items`: `(cluster, id)` in the order `add` takes them."""
         for cluster, item in items:
             self.routed[cluster].append(item)
+            self.number[item] = self.arrived[cluster]
+            self.cluster_of[item] = cluster
+            self.arrived[cluster] += 1
         self.any_added = True
+        if self.priorities is not None:
+            held = {item for d in self.routed for item in d}
+            self.priorities.refresh(held)  # type: ignore[arg-type]  (ids, not windows)
 
     def sizes(self) -> list[int]:
         return [len(d) for d in self.routed]
 
     def drawable(self) -> list[int]:
-        """The clusters a sample may draw from: holding items, of positive weight."""
-        return [c for c, d in enumerate(self.routed) if d and self.weights[c] > 0]
+        """The clusters a sample may draw from: holding items, of positive weight (and, with
+        priorities, holding an item of positive priority)."""
+        held = [c for c, d in enumerate(self.routed) if d and self.weights[c] > 0]
+        if self.priorities is None:
+            return held
+        return [c for c in held if self.cluster_total(c) > 0]
+
+    def cluster_total(self, cluster: int) -> float:
+        assert self.priorities is not None
+        return sum(self.priorities.leaf(item) for item in self.routed[cluster])  # type: ignore[arg-type]
+
+    def refusal(self) -> str | None:
+        """Why `sample` must raise now, or None: "nothing held" (no cluster of positive weight
+        holds an item), "all zero" (every item they hold has priority 0)."""
+        if not any(d and self.weights[c] > 0 for c, d in enumerate(self.routed)):
+            return "nothing held"
+        if not self.drawable():
+            return "all zero"
+        return None
+
+    def within(self, item: int) -> float:
+        """`P(i | c)`: the item's share of its cluster's `p**alpha`."""
+        assert self.priorities is not None
+        leaf = self.priorities.leaf(item)  # type: ignore[arg-type]
+        return leaf / self.cluster_total(self.cluster_of[item])
+
+    def probability(self, item: int) -> float:
+        """`P(i)`: its cluster's share among the drawable clusters, times `within(item)`."""
+        drawable = self.drawable()
+        cluster = self.cluster_of[item]
+        share = self.weights[cluster] / sum(self.weights[c] for c in drawable)
+        return share * self.within(item) if cluster in drawable else 0.0
 
 
 class BufferReference:

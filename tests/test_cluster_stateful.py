@@ -1,7 +1,11 @@
-"""Stateful test of `ClusteredBuffer`: random adds (items routed to random clusters, some to
-an id out of range, which must raise and change nothing) and samples, against the NumPy
-reference of `tests/reference.py`: which items each cluster holds, its size, which clusters
-a sample may draw from (non-empty, of positive weight) and the items drawn.
+"""Stateful test of `ClusteredBuffer` and `PrioritisedClusteredBuffer`: random adds (items
+routed to random clusters, some to an id out of range, which must raise and change nothing),
+samples and (prioritised) priority updates of recent samples, some of whose items have been
+overwritten since, against the NumPy reference of `tests/reference.py`: which items each
+cluster holds, its size, which clusters a sample may draw from, the items drawn and their
+numbers (`steps`), and for the prioritised buffer each draw's probability under the
+documented law, its importance weight, the largest priority, and the errors when nothing can
+be drawn.
 
 Only the public API is used, and every buffer is built by `_make`.
 """
@@ -15,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis.stateful import initialize, rule
+from hypothesis.stateful import initialize, precondition, rule
 
 import equibuffer as eb
 
@@ -36,18 +40,21 @@ class Config:
     num_clusters: int
     capacity: int
     weights: tuple[float, ...] | None
+    alpha: float | None = None  # a PrioritisedClusteredBuffer when given
 
 
-def _make(c: Config) -> eb.ClusteredBuffer:
+def _make(c: Config) -> eb.AbstractClusteredBuffer:
     """The one place the clustered buffers are built."""
-    return eb.ClusteredBuffer(
-        EXAMPLE,
+    kw: dict[str, Any] = dict(
         add_batch_size=c.rows,
         num_clusters=c.num_clusters,
         cluster_capacity=c.capacity,
         cluster_fn=_cluster_of,
         weights=c.weights,
     )
+    if c.alpha is None:
+        return eb.ClusteredBuffer(EXAMPLE, **kw)
+    return eb.PrioritisedClusteredBuffer(EXAMPLE, alpha=c.alpha, **kw)
 
 
 CONFIGS = [
@@ -56,10 +63,18 @@ CONFIGS = [
     Config(3, 2, 2, (0.25, 0.75)),
     Config(2, 3, 5, (0.5, 0.0, 0.5)),  # a cluster never drawn: sampling may find nothing
     Config(1, 4, 1, (0.0, 0.0, 1.0, 0.0)),
+    Config(2, 3, 4, None, alpha=1.0),
+    Config(1, 2, 3, (0.25, 0.75), alpha=0.5),
+    Config(3, 3, 2, (0.5, 0.0, 0.5), alpha=1.0),
+    Config(2, 1, 5, None, alpha=0.0),
+    Config(1, 1, 2, None, alpha=1.0),  # one small cluster: every priority 0 happens
 ]
 ADD_STEPS = (3, None, 1, 7)  # None: one item per row, `(rows, *leaf)`
 BATCH = 12
 NOTHING = "no cluster of positive weight holds an item"
+ALL_ZERO = "every item held in the clusters of positive weight has priority 0"
+PRIORITIES = (0.0, 0.0, 0.5, 1.0, 3.0)
+DROPPED = 8.0  # the priority of updates to items overwritten since (must be dropped)
 OUT_OF_RANGE = r"outside \[0, num_clusters=[0-9]+\)"
 
 
@@ -78,6 +93,21 @@ def _sample(buffer, key):
     return buffer.sample(key, BATCH)
 
 
+@eqx.filter_jit
+def _sample_prioritised(buffer, key, beta):
+    return buffer.sample(key, BATCH, beta=beta)
+
+
+@eqx.filter_jit
+def _set(buffer, sample, priorities):
+    return buffer.set_priorities(sample, priorities), buffer.max_priority
+
+
+@eqx.filter_jit
+def _set_by_index(buffer, indices, priorities, steps):
+    return buffer.set_priorities(indices, priorities, steps=steps)
+
+
 class ClusteredMachine(CountedMachine):
     """Random adds and samples of a `ClusteredBuffer`."""
 
@@ -85,7 +115,10 @@ class ClusteredMachine(CountedMachine):
     def setup(self, config: Config, seed: int):
         self.c = config
         self.buffer = _make(config)
-        self.ref = ClusteredReference(config.num_clusters, config.capacity, config.weights)
+        self.ref = ClusteredReference(
+            config.num_clusters, config.capacity, config.weights, config.alpha
+        )
+        self.samples: list[Any] = []  # recent samples, for `set_priorities`
         self.added = 0  # items ever given to `add`, refused ones included (ids stay unique)
         self.key = jax.random.key(seed)
 
@@ -117,18 +150,27 @@ class ClusteredMachine(CountedMachine):
         assert int(seen["size"]) == sum(self.ref.sizes())
         assert np.asarray(seen["sizes"]).tolist() == self.ref.sizes()
 
-    @rule()
-    def sample(self):
+    @rule(beta=st.sampled_from([0.0, 0.5, 1.0]))
+    def sample(self, beta: float):
+        self._sample(beta)
+
+    def _sample(self, beta: float) -> None:
         c, ref = self.c, self.ref
         self.key, key = jax.random.split(self.key)
-        drawable = ref.drawable()
-        if not drawable:
-            with pytest.raises(Exception, match=NOTHING):
-                _sample(self.buffer, key)
+        refusal = ref.refusal() if c.alpha is not None else (None if ref.drawable() else "x")
+        if c.alpha is None:
+            draw = lambda: _sample(self.buffer, key)  # noqa: E731
+        else:
+            draw = lambda: _sample_prioritised(self.buffer, key, jnp.float32(beta))  # noqa: E731
+        if refusal is not None:
+            with pytest.raises(Exception, match=ALL_ZERO if refusal == "all zero" else NOTHING):
+                draw()
             return
-        sample = _sample(self.buffer, key)
+        sample = draw()
+        drawable = ref.drawable()
         cluster = np.asarray(sample.cluster)
         indices = np.asarray(sample.indices)
+        steps = np.asarray(sample.steps)
         exp: Any = jax.tree.map(np.asarray, sample.experience)
         assert set(cluster.tolist()) <= set(drawable), (cluster, drawable)
         np.testing.assert_array_equal(exp["cluster"], cluster)
@@ -139,8 +181,46 @@ class ClusteredMachine(CountedMachine):
             item = int(exp["id"][i])
             assert item in ref.routed[k], f"item {item} is not held by cluster {k}"
             assert slot_of.setdefault(item, int(indices[i])) == int(indices[i])
+            assert int(steps[i]) == ref.number[item], "`steps` is not the item's number"
         assert len(set(slot_of.values())) == len(slot_of)
+        if c.alpha is None:
+            assert isinstance(sample, eb.ClusteredSample)
+            return
+        assert isinstance(sample, eb.PrioritisedClusteredSample)
+        items = exp["id"].tolist()
+        p = np.array([ref.probability(i) for i in items])
+        assert (p > 0).all(), "an item of priority 0 was drawn"
+        np.testing.assert_allclose(np.asarray(sample.probabilities), p, rtol=1e-5)
+        scaled = np.array([ref.sizes()[ref.cluster_of[i]] * ref.within(i) for i in items])
+        want = (scaled / scaled.min()) ** -beta
+        np.testing.assert_allclose(np.asarray(sample.weights), want, rtol=1e-4)
+        self.samples = [*self.samples[-2:], sample]
+
+    @precondition(lambda self: self.c.alpha is not None and bool(self.samples))
+    @rule(data=st.data(), by_index=st.booleans())
+    def set_priorities(self, data: st.DataObject, by_index: bool):
+        """Priorities for a recent sample (some of its items may be overwritten since): the
+        same priority for every row of an item; `DROPPED` for items no longer held."""
+        ref = self.ref
+        assert ref.priorities is not None
+        sample = data.draw(st.sampled_from(self.samples), label="sample")
+        items = np.asarray(sample.experience["id"]).tolist()
+        current = sorted({i for i in items if i in ref.priorities.priority})
+        values = data.draw(
+            st.lists(st.sampled_from(PRIORITIES), min_size=len(current), max_size=len(current))
+        )
+        value_of = dict(zip(current, values, strict=True))
+        priorities = np.array([value_of.get(i, DROPPED) for i in items], np.float32)
+        ref.priorities.set(items, priorities)  # type: ignore[arg-type]  (ids, not windows)
+        if by_index:
+            self.buffer = _set_by_index(
+                self.buffer, sample.indices, jnp.asarray(priorities), sample.steps
+            )
+        else:
+            self.buffer, _ = _set(self.buffer, sample, jnp.asarray(priorities))
+        assert float(self.buffer.max_priority) == float(ref.priorities.max_priority)
+        self._sample(beta=1.0)
 
 
-ClusteredMachine.TestCase.settings = stateful_settings(max_examples=80, stateful_step_count=12)
+ClusteredMachine.TestCase.settings = stateful_settings(max_examples=100, stateful_step_count=14)
 TestClusteredMachine = pytest.mark.stateful(ClusteredMachine.TestCase)

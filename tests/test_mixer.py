@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from equibuffer import ItemBuffer, TrajectoryBuffer
+import equibuffer as eb
+from equibuffer import ClusteredBuffer, ItemBuffer, PrioritisedClusteredBuffer, TrajectoryBuffer
 from equibuffer._buffers._prioritised import PrioritisedItemBuffer
 from equibuffer._mixer import largest_remainder, Mixer
 
@@ -155,3 +156,59 @@ def test_in_a_donating_train_step_traces_once():
     for i in range(5):
         state = step(state, jax.random.key(i), jnp.int32(i))
     assert int(state.mixer.buffers[0].storage.fill) == 5
+
+
+def test_clustered_sources_rows_data_and_priorities_routed_back():
+    """An `ItemBuffer`, a `ClusteredBuffer` and a `PrioritisedClusteredBuffer` in one mix:
+    each row comes from its source with its source's data; the prioritised clustered
+    source's rows carry its weights and get their priorities back, each in its item's own
+    cluster; the uniform ones are untouched."""
+
+    def by_sign(item):
+        return (item["x"] > 0).astype(jnp.int32)
+
+    def clustered(cls):
+        return cls(
+            EXAMPLE, add_batch_size=2, num_clusters=2, cluster_capacity=4, cluster_fn=by_sign
+        )
+
+    items, _ = _filled(
+        ItemBuffer(EXAMPLE, add_batch_size=2, max_length_time_axis=8), 0, 3
+    )  # 0..2, 1000..
+    # Clustered sources: x = ±(base + i), the sign alternating, so both clusters get items.
+    x = np.array([[1, -2, 3], [-4, 5, -6]])
+    uniform = clustered(ClusteredBuffer).add(
+        {"x": jnp.asarray((100 + np.abs(x)) * np.sign(x), jnp.int32)}
+    )
+    prio = clustered(PrioritisedClusteredBuffer).add(
+        {"x": jnp.asarray((200 + np.abs(x)) * np.sign(x), jnp.int32)}
+    )
+    mixer = Mixer((items, uniform, prio), proportions=(0.25, 0.25, 0.5))
+    assert mixer.counts(16) == (4, 4, 8)
+    s = eqx.filter_jit(lambda m, k: m.sample(k, 16, beta=1.0))(mixer, jax.random.key(0))
+    got = np.asarray(s.experience["x"])
+    np.testing.assert_array_equal(np.asarray(s.source), [0] * 4 + [1] * 4 + [2] * 8)
+    assert set(got[:4].tolist()) <= {0, 1, 2, 1000, 1001, 1002}
+    assert set(np.abs(got[4:8]).tolist()) <= set(range(101, 107))
+    assert set(np.abs(got[8:]).tolist()) <= set(range(201, 207))
+    part = s.samples[2]
+    assert isinstance(part, eb.PrioritisedClusteredSample)
+    np.testing.assert_array_equal(np.asarray(part.cluster), got[8:] > 0)
+    np.testing.assert_array_equal(np.asarray(s.weights)[8:], np.asarray(part.weights))
+    np.testing.assert_array_equal(np.asarray(s.weights)[:8], 1.0)
+    assert isinstance(s.samples[1], eb.ClusteredSample)
+    np.testing.assert_array_equal(np.asarray(s.samples[1].cluster), got[4:8] > 0)
+    # Each prioritised row's priority is |x| - 200 (one per item, whatever row it is on).
+    priorities = jnp.asarray(np.concatenate([np.full(8, 50.0), np.abs(got[8:]) - 200.0]))
+    updated = eqx.filter_jit(lambda m, s, p: m.set_priorities(s, p))(mixer, s, priorities)
+    trees = updated.buffers[2].trees
+    for i, (c, index) in enumerate(
+        zip(np.asarray(part.cluster), np.asarray(part.indices), strict=True)
+    ):
+        slot = index % 4
+        leaf = float(trees[c].values()[slot])
+        np.testing.assert_allclose(
+            leaf, (abs(got[8 + i]) - 200.0) ** updated.buffers[2].alpha, rtol=1e-6
+        )
+    assert float(updated.buffers[2].max_priority) == float(np.abs(got[8:]).max() - 200)
+    assert eqx.tree_equal(updated.buffers[0], items) and eqx.tree_equal(updated.buffers[1], uniform)

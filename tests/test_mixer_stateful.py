@@ -40,7 +40,7 @@ class Source:
 
 def _make_source(s: Source) -> Any:
     """The one place the sources are built."""
-    kw: dict[str, Any] = {"add_batch_size": s.rows, "max_length": s.length}
+    kw: dict[str, Any] = {"add_batch_size": s.rows, "max_length_time_axis": s.length}
     if s.alpha is not None:
         kw["alpha"] = s.alpha
     if s.kind == "item":

@@ -275,10 +275,11 @@ def test_following_the_limiter_achieves_the_ratio(spi):
     assert first == buffer.min_length_time_axis - 1
 
 
-def test_a_clustered_buffer_is_limited_like_any_buffer():
+@pytest.mark.parametrize("cls", [eb.ClusteredBuffer, eb.PrioritisedClusteredBuffer])
+def test_a_clustered_buffer_is_limited_like_any_buffer(cls):
     # Its items count as steps; it can be sampled (and adds count) from the first add on.
     rows, batch_size, spi = 2, 4, 1.5
-    buffer = eb.ClusteredBuffer(
+    buffer = cls(
         EXAMPLE,
         add_batch_size=rows,
         num_clusters=2,
@@ -296,7 +297,16 @@ def test_a_clustered_buffer_is_limited_like_any_buffer():
     # `_run` adds zeros: every item went to cluster 0, which holds its newest 8.
     assert limited.buffer.cluster_sizes().tolist() == [8, 0]
     limited, sample = limited.sample(jax.random.key(0), batch_size)
-    assert isinstance(sample, eb.ClusteredSample) and sample.experience["x"].shape == (4,)
+    assert sample.experience["x"].shape == (4,) and (np.asarray(sample.cluster) == 0).all()
+    if cls is eb.ClusteredBuffer:
+        assert isinstance(sample, eb.ClusteredSample)
+        with pytest.raises(TypeError, match="the wrapped ClusteredBuffer has no priorities"):
+            limited.set_priorities(sample, jnp.ones(batch_size))
+        return
+    assert isinstance(sample, eb.PrioritisedClusteredSample)
+    before = limited.credit()
+    limited = limited.set_priorities(sample, jnp.full(batch_size, 4.0))
+    assert float(limited.buffer.max_priority) == 4.0 and limited.credit() == before
 
 
 # --- jit, donation, vmap ----------------------------------------------------------------------

@@ -116,6 +116,17 @@ CASES: dict[str, tuple[Callable[[], Any], Callable[[Any, jax.Array], tuple[Any, 
         ),
         _uniform,
     ),
+    "prioritised clustered": (
+        lambda: eb.PrioritisedClusteredBuffer(
+            EXAMPLE,
+            add_batch_size=ROWS,
+            num_clusters=2,
+            cluster_capacity=8,
+            cluster_fn=_clusters,
+            weights=(0.25, 0.75),
+        ),
+        _prioritised,
+    ),
     "rate limited": (
         lambda: eb.RateLimited(eb.ItemBuffer(EXAMPLE, **kw), 1.0, tolerance=100.0),
         _limited,

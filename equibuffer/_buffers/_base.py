@@ -9,6 +9,7 @@ from jaxtyping import Array, Bool, PRNGKeyArray, PyTree, Shaped
 
 from .._checks import check_positive_int, check_structure, keystr
 from .._custom_types import BoolScalar, ExperienceBatch, IntScalar, StepCount
+from .._protocol import AbstractReplayBuffer
 from .._ring import RingStorage
 from ._rules import AbstractRule, AbstractUniformRule, count_held, Drawn, Window
 from ._samples import EpisodeSample, Sample, Transition as Transition
@@ -81,9 +82,10 @@ class AbstractRingHolder(eqx.Module):
         return self.storage.steps_in(batch, where)
 
 
-class AbstractBuffer(AbstractRingHolder):
-    """The interface every buffer shares: a [`equibuffer.RingStorage`][] plus a rule saying
-    which windows of `sequence_length` steps may be sampled.
+class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
+    """The interface every ring buffer shares: a [`equibuffer.RingStorage`][] plus a rule
+    saying which windows of `sequence_length` steps may be sampled. Every ring buffer is an
+    [`equibuffer.AbstractReplayBuffer`][] (a `Mixer` source, wrapped by `RateLimited`).
 
     Concrete buffers are final; they differ only in their configuration and in the shape of
     what `sample` returns.

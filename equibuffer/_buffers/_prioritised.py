@@ -8,6 +8,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._checks import check_positive_int
 from .._custom_types import ExampleTree, Steps
+from .._protocol import AbstractPrioritisedSource
 from .._ring import RingStorage
 from .._sumtree import SumTree
 from ._base import AbstractBuffer
@@ -20,6 +21,7 @@ from ._rules import (
     prioritised,
     prioritised_episodic,
     set_by_priority,
+    update_target,
 )
 from ._samples import PrioritisedEpisodeSample, PrioritisedSample as PrioritisedSample, Sample
 from ._sizes import SizeArgs
@@ -30,7 +32,7 @@ from ._views import AbstractView, ItemView, window_view
 _Prioritised = TypeVar("_Prioritised", bound="AbstractPrioritisedBuffer")
 
 
-class AbstractPrioritisedBuffer(AbstractBuffer):
+class AbstractPrioritisedBuffer(AbstractBuffer, AbstractPrioritisedSource):
     """A buffer whose windows are drawn with probability proportional to `priority ** alpha`.
 
     It is a [`equibuffer.RingStorage`][] plus the valid-window rule of the uniform buffers,
@@ -190,21 +192,7 @@ class AbstractPrioritisedBuffer(AbstractBuffer):
             ```
         """
         where = f"{type(self).__name__}.set_priorities()"
-        if isinstance(sample, Sample):
-            if steps is not None:
-                raise TypeError(
-                    f"{where}: `steps` is taken from the sample; pass either a Sample, or "
-                    "indices with `steps=`."
-                )
-            indices, steps = sample.indices, sample.steps
-        else:
-            indices = sample
-            if steps is None:
-                raise TypeError(
-                    f"{where}: pass the whole sample (`buffer.set_priorities(sample, "
-                    "priorities)`) or the indices with `steps=sample.steps`: the steps tell "
-                    "which windows were overwritten since they were sampled."
-                )
+        indices, steps = update_target(where, sample, steps)
         indices, steps, new = check_priority_update(
             where, self.rule.tree.capacity, indices, steps, priorities
         )

@@ -43,6 +43,7 @@ from .._windows import (
     window_steps,
     windows_held,
 )
+from ._samples import Sample
 
 
 # A leaf name, or `step -> 0-d bool` (its output is checked at construction, with a message).
@@ -260,15 +261,38 @@ def draw_by_priority(
     return Drawn(indices, steps, probabilities, weights)
 
 
+def update_target(
+    where: str, sample: Sample | Int[ArrayLike, " batch"], steps: Steps | None
+) -> tuple[Int[ArrayLike, " batch"], Steps]:
+    """The `(indices, steps)` a `set_priorities(sample, priorities, steps=...)` call names:
+    those of the sample, or the indices given with `steps=`."""
+    if isinstance(sample, Sample):
+        if steps is not None:
+            raise TypeError(
+                f"{where}: `steps` is taken from the sample; pass either a Sample, or "
+                "indices with `steps=`."
+            )
+        return sample.indices, sample.steps
+    if steps is None:
+        raise TypeError(
+            f"{where}: pass the whole sample (`buffer.set_priorities(sample, "
+            "priorities)`) or the indices with `steps=sample.steps`: the steps tell "
+            "which windows were overwritten since they were sampled."
+        )
+    return sample, steps
+
+
 def check_priority_update(
     where: str,
     capacity: int,
     indices: Int[ArrayLike, " batch"],
     steps: Steps,
     priorities: Float[ArrayLike, " batch"],
+    bound: str = "add_batch_size * max_length_time_axis",
 ) -> tuple[Indices, Steps, Float[Array, " batch"]]:
     """The arguments of `set_priorities`, checked: shapes and dtypes at trace time, values
-    (indices in range, priorities non-negative and finite) inside jit."""
+    (indices in range `[0, capacity)`, named `bound` in the error; priorities non-negative
+    and finite) inside jit."""
     indices = jnp.asarray(indices)
     steps = jnp.asarray(steps)
     new = jnp.asarray(priorities)
@@ -293,8 +317,7 @@ def check_priority_update(
         out_of_range | jnp.any((new < 0) | ~jnp.isfinite(new)),
         jnp.where(out_of_range, 0, 1),
         [
-            f"{where}: every index must be in [0, add_batch_size * max_length_time_axis="
-            f"{capacity}); pass `sample.indices`.",
+            f"{where}: every index must be in [0, {bound}={capacity}); pass `sample.indices`.",
             f"{where}: every priority must be non-negative and finite (a negative, NaN or "
             "infinite priority was given).",
         ],

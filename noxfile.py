@@ -94,6 +94,19 @@ def docs(session: nox.Session) -> None:
 
 
 @nox.session(python=HERE)
+def notebooks(session: nox.Session) -> None:
+    """Execute every `notebooks/*.ipynb` top to bottom in a fresh kernel; fail on any error,
+    on a warning shown in an output, or on a committed notebook without outputs.
+
+    `nox -s notebooks -- --write` saves the new outputs back into the notebooks (commit them:
+    the docs render the committed outputs); `nox -s notebooks -- notebooks/quickstart.ipynb`
+    runs one. See docs/run_notebooks.py.
+    """
+    install(session, "notebooks")
+    session.run("python", "docs/run_notebooks.py", *session.posargs)
+
+
+@nox.session(python=HERE)
 def demo(session: nox.Session) -> None:
     """The README's demo: a DQN learning CartPole with a TransitionBuffer in its train state."""
     install(session, "demo")

@@ -609,6 +609,59 @@ def test_progress_bar_can_be_shown_or_turned_off(tmp_path, capsys, monkeypatch):
         assert progress or err == ""
 
 
+# What a Jupyter kernel without ipywidgets looks like to tqdm (`tqdm.autonotebook` checks for
+# `ipykernel.zmqshell` in `sys.modules`), then `CODE`; every warning printed to stderr.
+JUPYTER_WITHOUT_IPYWIDGETS = """
+import sys, types, warnings
+warnings.simplefilter("always")
+sys.modules["ipykernel.zmqshell"] = types.ModuleType("ipykernel.zmqshell")
+ipython = types.ModuleType("IPython")
+ipython.get_ipython = lambda: types.SimpleNamespace(config={"IPKernelApp": {}})
+sys.modules["IPython"] = ipython
+sys.modules["ipywidgets"] = None  # not installed
+"""
+
+
+def run_as_in_jupyter(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    root = Path(__file__).parent.parent
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
+    script = JUPYTER_WITHOUT_IPYWIDGETS + textwrap.dedent(code)
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+
+
+def test_no_ipywidgets_warning_in_jupyter(tmp_path):
+    """In a Jupyter kernel without ipywidgets, neither importing equibuffer nor showing an
+    archive's progress bar warns "IProgress not found" (what `tqdm.auto` does there): the bar
+    is tqdm's text bar."""
+    control = run_as_in_jupyter("import tqdm.auto", tmp_path)
+    assert control.returncode == 0, control.stderr
+    assert "IProgress not found" in control.stderr  # the simulation reaches tqdm's warning
+    result = run_as_in_jupyter(
+        """
+        import jax.numpy as jnp
+        import equibuffer as eb
+        assert "tqdm" not in sys.modules  # imported only when a bar is shown
+        eb.Archive._progress_delay = 0.0
+        buffer = eb.TrajectoryBuffer({"x": jnp.zeros(2)}, add_batch_size=2, capacity=16,
+                                     sequence_length=2)
+        buffer = buffer.add({"x": jnp.ones((2, 5, 2))})
+        with eb.Archive("run.zarr", buffer, progress=True) as archive:
+            archive.write(buffer)
+            list(archive.iter(5))
+        from tqdm.std import tqdm
+        from equibuffer._archive._reader import progress_bar
+        assert progress_bar() is tqdm
+        """,
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "IProgress" not in result.stderr and "Warning" not in result.stderr, result.stderr
+    assert "archive write" in result.stderr and "archive read" in result.stderr
+
+
 @pytest.mark.parametrize("shard_steps", [8, 0], ids=["shards", "unsharded"])
 def test_fsync_round_trip_and_commit_order(tmp_path, monkeypatch, shard_steps):
     """`fsync=True`: the data round-trips over several writes and a reopen; and in every write

@@ -111,6 +111,21 @@ def test_every_page_is_in_the_nav():
     assert nav - pages == set(), f"nav entries without a page: {sorted(nav - pages)}"
 
 
+def test_every_notebook_is_in_the_nav():
+    """Every notebook of `notebooks/` is a page of the site (mkdocs-jupyter mounts the folder
+    at `notebooks/`), listed in the nav; every notebook in the nav exists."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    section = re.search(r"^nav:\n((?:[ \t]+.*\n?)*)", config, flags=re.M)
+    assert section, "mkdocs.yml has no nav"
+    nav = set(re.findall(r"^\s*- (?:[^:\n]+: )?(\S+\.ipynb)\s*$", section.group(1), flags=re.M))
+    notebooks = {f"notebooks/{p.name}" for p in (ROOT / "notebooks").glob("*.ipynb")}
+    assert notebooks, "no notebooks found"
+    assert notebooks - nav == set(), (
+        f"notebooks missing from mkdocs.yml's nav (section Notebooks): {sorted(notebooks - nav)}"
+    )
+    assert nav - notebooks == set(), f"nav entries without a notebook: {sorted(nav - notebooks)}"
+
+
 def _message_templates() -> list[str]:
     """Every string the package builds (literals and f-strings, with a formatted value, or a
     local variable holding one, written `{}`): the error messages among them."""

@@ -3,6 +3,7 @@ or by its own writer's commits), time slices of it as NumPy arrays, iteration in
 loading steps into a buffer (`load`, `restore`)."""
 
 import dataclasses
+import importlib.util
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -12,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import zarr
-from tqdm.auto import tqdm
 from zarr.abc.store import Store
 
 from .._checks import check_positive_int
@@ -30,7 +30,21 @@ class Progress:
     delay: float
 
     def bar(self, total: int, desc: str) -> Any:
-        return tqdm(total=total, unit="step", desc=desc, disable=not self.show, delay=self.delay)
+        return progress_bar()(
+            total=total, unit="step", desc=desc, disable=not self.show, delay=self.delay
+        )
+
+
+def progress_bar() -> type:
+    """tqdm's bar class: its notebook widget where ipywidgets is installed, its text bar
+    otherwise. (`tqdm.auto` alone, imported in a Jupyter kernel without ipywidgets, warns
+    "IProgress not found" and falls back to the text bar anyway; importing it lazily here also
+    keeps `import equibuffer` from importing tqdm.)"""
+    if importlib.util.find_spec("ipywidgets") is not None:
+        from tqdm.auto import tqdm
+    else:
+        from tqdm.std import tqdm
+    return tqdm
 
 
 def ring_holding(storage: RingStorage, data: list[np.ndarray], total: int) -> RingStorage:

@@ -1,4 +1,6 @@
-"""Every notebook in `notebooks/` runs top to bottom (code cells executed in order)."""
+"""The committed notebooks show what they do: every code cell was run, in order, and no output
+is an error or a Python warning. (Running them is `nox -s notebooks`, which CI runs; `nox -s
+notebooks -- --write` stores the outputs.)"""
 
 import json
 import pathlib
@@ -10,16 +12,18 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.
 
 
 def test_there_are_notebooks():
-    assert NOTEBOOKS
+    assert len(NOTEBOOKS) >= 5
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path, capsys):
-    cells = json.loads(path.read_text())["cells"]
-    namespace: dict = {}
-    for i, cell in enumerate(cells):
-        if cell["cell_type"] == "code":
-            exec(compile("".join(cell["source"]), f"{path.name}[{i}]", "exec"), namespace)
-    out = capsys.readouterr().out
-    assert "leaf ['obs'] has shape (2, 4)" in out
-    assert "cannot be sampled yet" in out
+def test_notebook_is_committed_executed(path):
+    cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    assert cells
+    counts = [c["execution_count"] for c in cells]
+    assert None not in counts, f"{path.name}: a code cell was never run"
+    assert counts == sorted(counts), f"{path.name}: cells were run out of order"
+    for cell in cells:
+        for out in cell["outputs"]:
+            assert out["output_type"] != "error", f"{path.name}: a cell raised"
+            text = "".join(out.get("text", ""))
+            assert "Warning:" not in text, f"{path.name}: an output shows a warning: {text}"

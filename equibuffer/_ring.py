@@ -328,6 +328,10 @@ def check_batch(
                 f"{where}: leaf {keystr(path)} holds {b} but leaf {keystr(first_path)} "
                 f"holds {a}; all leaves must hold the same number of steps."
             )
-        check_dtype(where, path, x.dtype, stored.dtype)
+        # A NumPy array enters JAX as the dtype JAX makes of it (float64 -> float32 and
+        # int64 -> int32 unless jax_enable_x64): check that one, so an eager call accepts
+        # exactly what a jitted one does (where JAX has converted it before the check).
+        dtype = x.dtype if isinstance(x, jax.Array) else jax.dtypes.canonicalize_dtype(x.dtype)
+        check_dtype(where, path, dtype, stored.dtype)
         steps, first_path = t, path
     return steps

@@ -167,3 +167,26 @@ def test_sampling_too_early_raises_instead_of_zeros(jit):
         sample = eqx.filter_jit(sample)
     with pytest.raises(eqx.EquinoxRuntimeError, match="cannot be sampled yet.*buffer.can_sample"):
         jax.block_until_ready(sample(buffer, jax.random.key(0)))
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_numpy_64_bit_inputs_agree_eager_and_jitted(jitted):
+    """A NumPy float64/int64 batch is what JAX makes of it: float32/int32 without x64 (accepted,
+    eagerly as under jit, where JAX converts it before `add` sees it), float64/int64 with x64
+    (refused by a float32 buffer, both ways). A dtype JAX keeps (float16) is refused."""
+    import numpy as np
+
+    example = {"x": jnp.zeros(3), "i": jnp.int32(0)}
+    add = eqx.filter_jit(lambda b, x: b.add(x)) if jitted else (lambda b, x: b.add(x))
+    buffer = eb.TrajectoryBuffer(example, add_batch_size=2, capacity=16, sequence_length=2)
+    batch = {"x": np.arange(6.0).reshape(2, 3), "i": np.arange(2)}
+    assert batch["x"].dtype == np.float64 and batch["i"].dtype == np.int64
+    added = add(buffer, batch)
+    assert added.storage.data["x"].dtype == jnp.float32
+    assert added.storage.data["x"][:, 0].tolist() == batch["x"].tolist()
+    with pytest.raises(TypeError, match=r"leaf \['x'\] has dtype float16, expected float32"):
+        add(buffer, {"x": np.ones((2, 3), np.float16), "i": np.arange(2)})
+    with jax.enable_x64(True):
+        buffer = eb.TrajectoryBuffer(example, add_batch_size=2, capacity=16, sequence_length=2)
+        with pytest.raises(TypeError, match=r"has dtype (float64|int64), expected (float32|int32)"):
+            add(buffer, batch)

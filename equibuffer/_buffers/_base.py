@@ -153,8 +153,7 @@ class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
             ```
         """
         storage, appended = self.storage.append(batch, f"{type(self).__name__}.add()")
-        rule = self.rule.added(storage, appended, self.window)
-        return eqx.tree_at(lambda b: (b.storage, b.rule), self, (storage, rule))
+        return self._with(storage, self.rule.added(storage, appended, self.window))
 
     def num_windows(self) -> IntScalar:
         """The number of windows that can be sampled now (0-d int32); depends only on the
@@ -276,7 +275,14 @@ class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
             ```
         """
         storage = update_storage(self.storage, fn, type(self).__name__)
-        rule = self.rule.updated(storage, self.window)
+        return self._with(storage, self.rule.updated(storage, self.window))
+
+    def _with(self: _Buffer, storage: RingStorage, rule: AbstractRule) -> _Buffer:
+        """The buffer with `storage` and `rule`. A rule without state (`Uniform`) returns
+        itself from `added`/`updated` and may be a static field, which `tree_at` cannot
+        replace: only the storage is replaced then."""
+        if rule is self.rule:
+            return eqx.tree_at(lambda b: b.storage, self, storage)
         return eqx.tree_at(lambda b: (b.storage, b.rule), self, (storage, rule))
 
     @abc.abstractmethod

@@ -118,7 +118,7 @@ class EpisodeTrajectoryBuffer(AbstractUniformBuffer):
 
     storage: RingStorage
     rule: AbstractUniformRule
-    view: AbstractView
+    view: AbstractView = eqx.field(static=True)
     period: int = eqx.field(static=True)
     min_length_time_axis: int = eqx.field(static=True)
 
@@ -216,7 +216,7 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
 
     storage: RingStorage
     rule: AbstractPrioritisedRule
-    view: AbstractView
+    view: AbstractView = eqx.field(static=True)
     period: int = eqx.field(static=True)
     min_length_time_axis: int = eqx.field(static=True)
 

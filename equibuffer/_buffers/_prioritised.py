@@ -227,7 +227,7 @@ class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
 
     storage: RingStorage
     rule: AbstractPrioritisedRule
-    view: AbstractView
+    view: AbstractView = eqx.field(static=True)
     period: int = eqx.field(static=True)
     min_length_time_axis: int = eqx.field(static=True)
 
@@ -289,7 +289,7 @@ class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
 
     storage: RingStorage
     rule: AbstractPrioritisedRule
-    view: AbstractView
+    view: AbstractView = eqx.field(static=True)
     period: int = eqx.field(static=True)
     min_length_time_axis: int = eqx.field(static=True)
 
@@ -360,7 +360,7 @@ class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
 
     storage: RingStorage
     rule: AbstractPrioritisedRule
-    view: AbstractView
+    view: AbstractView = eqx.field(static=True)
     period: int = eqx.field(static=True)
     min_length_time_axis: int = eqx.field(static=True)
 

@@ -50,7 +50,7 @@ class TransitionBuffer(AbstractUniformBuffer):
 
     storage: RingStorage
     rule: AbstractUniformRule
-    view: AbstractView
+    view: AbstractView = eqx.field(static=True)
     period: int = eqx.field(static=True)
     min_length_time_axis: int = eqx.field(static=True)
 

@@ -213,10 +213,16 @@ def n_step_from_storage(
     reward: str,
     terminated: str,
     truncated: str | None,
+    within: Bool[Array, "batch window"] | None = None,
 ) -> NStepTransition:
     """n-step transitions from the windows of `n + 1` steps starting at flat `indices` of a
     `RingStorage`. Only the reward and flag leaves are read over the `n` steps; every other
-    leaf is read at the three steps returned (`first`, `last`, `second`)."""
+    leaf is read at the three steps returned (`first`, `last`, `second`).
+
+    `within` (an episode rule's pad mask, true up to the episode's last step) cuts each sum at
+    the episode's end even where the `terminated`/`truncated` leaves do not flag it (an
+    `episode_end` of its own): the last step inside counts as a truncation, so no reward past
+    it, nor of a slot the row has not written, is summed."""
     where = "TransitionBuffer.sample()"
     length = storage.length
     row, slot = indices // length, indices % length
@@ -234,6 +240,9 @@ def n_step_from_storage(
     trunc = None
     if truncated is not None:
         trunc = take(named_leaf(where, storage.data, truncated, "truncated"), window)
+    if within is not None:
+        cut = within[:, :n] & ~within[:, 1 : n + 1]
+        trunc = cut if trunc is None else trunc | cut
     steps, total, bootstrap = n_step_values(r, term, trunc, discount)
     at_first, at_second, at_last = flat(jnp.zeros_like(steps)), flat(steps), flat(steps - 1)
     return NStepTransition(

@@ -76,3 +76,31 @@ def test_terminal_n_step_transitions_are_sampled_in_pad_mode():
     ended = first >= 3
     assert (np.asarray(sample.experience.second["t"])[ended] == 0).all()  # zero past the end
     assert (np.asarray(sample.experience.last["t"])[ended] == 5).all()
+
+
+def test_pad_mode_n_step_sums_stop_at_an_episode_end_of_its_own():
+    """With an `episode_end` leaf of its own (not `terminated`/`truncated`), a pad-mode n-step
+    transition still sums no reward past the episode's last step, nor from a slot the row has
+    not written since the ring wrapped (stale data: reward 100 here). Found by a helper's
+    reasoning about equibuffer.testing's configurations; checked against plain arithmetic."""
+    example = {"t": jnp.int32(0), "reward": jnp.float32(0), "terminated": jnp.bool_(False),
+               "truncated": jnp.bool_(False), "done": jnp.bool_(False)}  # fmt: skip
+    buffer = eb.TransitionBuffer(example, add_batch_size=1, max_length_time_axis=8, n_step=3,
+                                 discount=1.0, episode_end="done", mode="pad")  # fmt: skip
+
+    def steps(t0: int, n: int, reward: float, done_at: int) -> dict:
+        t = jnp.arange(t0, t0 + n)
+        no = jnp.zeros((1, n), bool)
+        return {"t": t[None], "reward": jnp.full((1, n), reward), "terminated": no,
+                "truncated": no, "done": (t == done_at)[None]}  # fmt: skip
+
+    buffer = buffer.add(steps(0, 8, 100.0, -1))  # every slot holds reward 100
+    buffer = buffer.add(steps(8, 3, 1.0, 10))  # steps 8-10 of reward 1; the episode ends at 10
+    sample = buffer.sample(jax.random.key(0), batch_size=512)
+    n = sample.experience
+    got = {int(t): (float(r), int(k)) for t, r, k in zip(n.first["t"], n.reward, n.steps)}
+    assert got[8] == (3.0, 3) and got[9] == (2.0, 2) and got[10] == (1.0, 1)
+    for start in (9, 10):
+        i = int(np.argmax(np.asarray(n.first["t"]) == start))
+        assert int(n.last["t"][i]) == 10  # the episode's last step
+        assert int(n.second["t"][i]) == 0  # past the end: zero

@@ -241,8 +241,8 @@ class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
     def _experience(self, drawn: Drawn) -> tuple[Any, Bool[Array, "batch window"] | None]:
         """The view's experience of the drawn windows, padded past episode ends where the
         rule says, and the rule's mask (None without episodes)."""
-        experience = self.view.gather(self.storage, drawn.indices)
         mask = self.rule.mask(self.storage, drawn.indices, self.window)
+        experience = self.view.gather(self.storage, drawn.indices, mask)
         if mask is not None:
             experience = self.view.padded(experience, mask)
         return experience, mask

@@ -28,6 +28,9 @@ from .._windows import gather, gather_steps
 from ._samples import Transition
 
 
+Mask = Bool[Array, "batch window"]
+
+
 def _zero_where_not(mask: Bool[Array, " batch"], tree: Any) -> Any:
     """`tree` (leaves `(batch, *leaf)`) with the entries where `mask` is false set to zero."""
 
@@ -47,8 +50,10 @@ class AbstractView(eqx.Module):
         """The number of consecutive steps one sampled element spans."""
 
     @abc.abstractmethod
-    def gather(self, storage: RingStorage, indices: Indices) -> Any:
-        """The experience of the windows starting at the flat `indices`."""
+    def gather(self, storage: RingStorage, indices: Indices, mask: Mask | None) -> Any:
+        """The experience of the windows starting at the flat `indices`. `mask` (from an
+        episode rule in pad mode, else None) says which steps of each window lie inside its
+        episode: what a view computes over several steps must not reach past it."""
 
     @abc.abstractmethod
     def padded(self, experience: Any, mask: Bool[Array, "batch window"]) -> Any:
@@ -74,7 +79,7 @@ class WindowView(AbstractView):
     def window_length(self) -> int:
         return self.sequence_length
 
-    def gather(self, storage: RingStorage, indices: Indices) -> Any:
+    def gather(self, storage: RingStorage, indices: Indices, mask: Mask | None) -> Any:
         return gather(storage, indices, self.sequence_length)
 
     def padded(self, experience: Any, mask: Bool[Array, "batch window"]) -> Any:
@@ -105,7 +110,7 @@ class PairView(AbstractView):
     def window_length(self) -> int:
         return 2
 
-    def gather(self, storage: RingStorage, indices: Indices) -> Transition:
+    def gather(self, storage: RingStorage, indices: Indices, mask: Mask | None) -> Transition:
         # Each step gathered on its own: slicing a gathered (batch, 2, ...) pair costs a copy.
         first, second = gather_steps(storage, indices, 2)
         return Transition(first=first, second=second)
@@ -135,9 +140,9 @@ class NStepView(AbstractView):
     def window_length(self) -> int:
         return self.n + 1
 
-    def gather(self, storage: RingStorage, indices: Indices) -> Any:
+    def gather(self, storage: RingStorage, indices: Indices, mask: Mask | None) -> Any:
         names = (self.reward, self.terminated, self.truncated)
-        return n_step_from_storage(storage, indices, self.n, self.discount, *names)
+        return n_step_from_storage(storage, indices, self.n, self.discount, *names, within=mask)
 
     def padded(self, experience: Any, mask: Bool[Array, "batch window"]) -> Any:
         # The sums stop at an end already; `second` (the step after the last one summed) lies
@@ -164,7 +169,7 @@ class ItemView(AbstractView):
     def window_length(self) -> int:
         return 1
 
-    def gather(self, storage: RingStorage, indices: Indices) -> Any:
+    def gather(self, storage: RingStorage, indices: Indices, mask: Mask | None) -> Any:
         return gather_steps(storage, indices, 1)[0]
 
     def padded(self, experience: Any, mask: Bool[Array, "batch window"]) -> Any:

@@ -98,7 +98,9 @@ def test_pad_mode_n_step_sums_stop_at_an_episode_end_of_its_own():
     buffer = buffer.add(steps(8, 3, 1.0, 10))  # steps 8-10 of reward 1; the episode ends at 10
     sample = buffer.sample(jax.random.key(0), batch_size=512)
     n = sample.experience
-    got = {int(t): (float(r), int(k)) for t, r, k in zip(n.first["t"], n.reward, n.steps)}
+    got = {
+        int(t): (float(r), int(k)) for t, r, k in zip(n.first["t"], n.reward, n.steps, strict=True)
+    }
     assert got[8] == (3.0, 3) and got[9] == (2.0, 2) and got[10] == (1.0, 1)
     for start in (9, 10):
         i = int(np.argmax(np.asarray(n.first["t"]) == start))

@@ -275,7 +275,8 @@ class EpisodeRule:
         never = EpisodeRule(sequence_length=3, mode="never_cross", episode_end="done")
         assert never.valid(history) == {(0, 2)}  # steps 2-4: the only window inside an episode
         pad = EpisodeRule(sequence_length=3, mode="pad", episode_end="done")
-        assert pad.valid(history) == {(0, 0), (0, 1), (0, 2), (0, 3), (0, 4)}
+        # also the windows cut by the end at step 1; 3-5 and 4-6 are neither complete nor cut
+        assert pad.valid(history) == {(0, 0), (0, 1), (0, 2)}
         assert pad.mask(history, (0, 1)).tolist() == [True, False, False]  # cut at step 1
         ```
     """

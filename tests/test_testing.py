@@ -401,6 +401,7 @@ def test_history_holds_the_newest_steps_of_any_tree():
     history.add(steps)
     history.add(jax.tree.map(lambda x: x[:, :1] + 100, steps))
     assert (history.total, history.fill, history.oldest) == (5, 3, 2)
+    assert repr(history) == "History(rows=2, length=3, total=5)"
     assert history.held()["a"].tolist() == [[2, 3, 100], [6, 7, 104]]
     assert history.held()["b"][0].shape == (2, 3, 2)
     assert history.window(0, 3, 4)["a"].tolist() == [3, 100, 0, 0]
@@ -539,6 +540,11 @@ def test_reference_refusals_match_the_buffer_errors():
         example, add_batch_size=1, capacity=6, sequence_length=3
     )
     reference = BufferReference.from_buffer(buffer)
+    assert repr(reference) == (
+        "BufferReference(rows=1, length=6, rule=EpisodeRule(sequence_length=3, period=1, "
+        "mode='never_cross', episode_end='done'), view=WindowView(sequence_length=3), "
+        "min_length=3, alpha=0.6; 0 steps added)"
+    )
     assert reference.refusal() == "too early"
     batch = {"done": jnp.array([[True, True, True]])}
     buffer, _ = buffer.add(batch), reference.add(batch)
@@ -574,6 +580,9 @@ def test_reference_from_buffer_refuses_a_used_or_foreign_buffer():
 def test_queue_reference_follows_a_queue_across_the_ring_end():
     queue = eb.Queue({"x": jnp.int32(0)}, add_batch_size=2, capacity=6, sequence_length=2)
     reference = QueueReference.from_buffer(queue)
+    assert repr(reference) == (
+        "QueueReference(rows=2, length=3, sequence_length=2; 0 steps added, 0 unread)"
+    )
     for t in (None, 2, None, 1, 2, 2):
         assert bool(queue.can_add(1 if t is None else t)) == reference.can_add(
             1 if t is None else t

@@ -135,6 +135,9 @@ class History:
         self._leaves: list[np.ndarray] = []
         self._treedef: Any = None
 
+    def __repr__(self) -> str:
+        return f"History(rows={self.rows}, length={self.length}, total={self.total})"
+
     @property
     def fill(self) -> int:
         """Steps held per row: `min(total, length)`."""
@@ -690,6 +693,14 @@ class BufferReference:
         self.priorities = None if alpha is None else Priorities(alpha)
         self.example = example
 
+    def __repr__(self) -> str:
+        h, alpha = self.history, None if self.priorities is None else self.priorities.alpha
+        return (
+            f"BufferReference(rows={h.rows}, length={h.length}, rule={self.rule!r}, "
+            f"view={self.view!r}, min_length={self.min_length}, alpha={alpha}; "
+            f"{h.total} steps added)"
+        )
+
     @classmethod
     def from_buffer(cls, buffer: AbstractBuffer | Queue) -> "BufferReference":
         """The reference of an empty `buffer` (any ring buffer: uniform, prioritised,
@@ -933,6 +944,13 @@ class QueueReference:
         self.sequence_length = sequence_length
         self.example = example
         self.unread = 0
+
+    def __repr__(self) -> str:
+        h = self.history
+        return (
+            f"QueueReference(rows={h.rows}, length={h.length}, "
+            f"sequence_length={self.sequence_length}; {h.total} steps added, {self.unread} unread)"
+        )
 
     @classmethod
     def from_buffer(cls, queue: Queue | AbstractBuffer) -> "QueueReference":

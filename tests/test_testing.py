@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import find, given, HealthCheck, settings
+from hypothesis.vendor.pretty import pretty
 
 import equibuffer as eb
 from equibuffer.testing import (
@@ -258,6 +259,7 @@ def test_buffer_config_repr_reads_like_the_call():
         "capacity=5, sequence_length=2, episode_end='done')"
     )
     assert isinstance(config.build(), eb.EpisodeTrajectoryBuffer)
+    assert pretty(config) == repr(config)  # how Hypothesis reports a failing example
 
 
 @settings(max_examples=20, deadline=None, database=None)

@@ -282,6 +282,10 @@ class BufferConfig:
         """The buffer: `cls(example, **kwargs)`."""
         return _keeps_random(self.cls)(self.example, **self.kwargs)
 
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        # (How Hypothesis and IPython print it: as the call, not field by field.)
+        printer.text(repr(self))
+
     def __repr__(self) -> str:
         def show(v: Any) -> str:
             return v.__name__ if callable(v) else repr(v)

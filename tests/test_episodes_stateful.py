@@ -143,7 +143,7 @@ class EpisodeMachine(CountedMachine):
         rule = EpisodeRule(config.sequence_length, config.period, config.mode, "done")
         alpha = config.alpha if config.prioritised else None
         self.ref = BufferReference(
-            config.rows, config.length, rule, min_length=config.min_length, alpha=alpha
+            config.rows, config.length, rule, min_steps_per_row=config.min_length, alpha=alpha
         )
         self.history, self.rule = self.ref.history, self.ref.rule
         self.priorities = self.ref.priorities or Priorities(0.0)  # (unused when uniform)

@@ -102,7 +102,7 @@ class NStepMachine(CountedMachine):
             config.length,
             UniformRule(sequence_length=config.n + 1),
             view=view,
-            min_length=config.min_length,
+            min_steps_per_row=config.min_length,
         )
         self.history, self.rule = self.ref.history, self.ref.rule
         self.key = jax.random.key(seed)

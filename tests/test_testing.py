@@ -545,7 +545,7 @@ def test_reference_refusals_match_the_buffer_errors():
     assert repr(reference) == (
         "BufferReference(rows=1, length=6, rule=EpisodeRule(sequence_length=3, period=1, "
         "mode='never_cross', episode_end='done'), view=WindowView(sequence_length=3), "
-        "min_length=3, alpha=0.6; 0 steps added)"
+        "min_steps_per_row=3, alpha=0.6; 0 steps added)"
     )
     assert reference.refusal() == "too early"
     batch = {"done": jnp.array([[True, True, True]])}

@@ -633,7 +633,7 @@ def _assert_tree_equal(got: Any, want: Any, what: str) -> None:
 
 class BufferReference:
     """A NumPy model of one ring buffer: a [`equibuffer.testing.History`][], the rule of its
-    valid windows, the view of what its samples return, `min_length` (steps per row before
+    valid windows, the view of what its samples return, `min_steps_per_row` (before
     `can_sample()`), and [`equibuffer.testing.Priorities`][] when `alpha` is given.
 
     Feed it the batches you add to the buffer; then it says what the buffer must report
@@ -646,7 +646,8 @@ class BufferReference:
     - `rows`, `length`: the rows and steps per row of the ring.
     - `rule`: a [`equibuffer.testing.UniformRule`][] or [`equibuffer.testing.EpisodeRule`][].
     - `view`: what a sample returns per window (default `WindowView(rule.sequence_length)`).
-    - `min_length`: steps per row before `can_sample()` (default `rule.sequence_length`).
+    - `min_steps_per_row`: steps per row before `can_sample()` (default
+        `rule.sequence_length`, the buffers' default).
     - `alpha`: the priority exponent of a prioritised buffer (default `None`: uniform).
     - `example`: one step (a tree of arrays or `jax.ShapeDtypeStruct`s), so that `add`
         also takes the one-step form `(rows, *leaf)`; without it `add` takes `(rows, T, *leaf)`.
@@ -677,7 +678,7 @@ class BufferReference:
         rule: UniformRule | EpisodeRule,
         *,
         view: WindowView | PairView | ItemView | NStepView | None = None,
-        min_length: int | None = None,
+        min_steps_per_row: int | None = None,
         alpha: float | None = None,
         example: PyTree[Any] | None = None,
     ):
@@ -689,7 +690,9 @@ class BufferReference:
                 f"BufferReference(): the view spans {self.view.length} steps but the rule's "
                 f"windows are sequence_length={rule.sequence_length}."
             )
-        self.min_length = rule.sequence_length if min_length is None else min_length
+        self.min_steps_per_row = (
+            rule.sequence_length if min_steps_per_row is None else min_steps_per_row
+        )
         self.priorities = None if alpha is None else Priorities(alpha)
         self.example = example
 
@@ -697,7 +700,7 @@ class BufferReference:
         h, alpha = self.history, None if self.priorities is None else self.priorities.alpha
         return (
             f"BufferReference(rows={h.rows}, length={h.length}, rule={self.rule!r}, "
-            f"view={self.view!r}, min_length={self.min_length}, alpha={alpha}; "
+            f"view={self.view!r}, min_steps_per_row={self.min_steps_per_row}, alpha={alpha}; "
             f"{h.total} steps added)"
         )
 
@@ -768,7 +771,7 @@ class BufferReference:
             length,
             model,
             view=view,
-            min_length=minimum,
+            min_steps_per_row=minimum,
             alpha=alpha,
             example=buffer.storage.example(),
         )
@@ -785,10 +788,10 @@ class BufferReference:
         return self.rule.valid(self.history)
 
     def ready(self) -> bool:
-        """`can_sample()`: at least `min_length` steps per row and a window valid by the
+        """`can_sample()`: at least `min_steps_per_row` steps per row and a window valid by the
         counters (whatever the episode ends)."""
         h = self.history
-        return h.fill >= self.min_length and self.num_windows() > 0
+        return h.fill >= self.min_steps_per_row and self.num_windows() > 0
 
     def size(self) -> int:
         """`size()`: the steps held over all rows."""

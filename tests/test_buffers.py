@@ -4,11 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, HealthCheck, settings
 from hypothesis.stateful import initialize, invariant, rule
 
 import equibuffer as eb
+from equibuffer.testing import batches, buffer_configs, BufferReference, filled_buffers
 
-from .helpers import chi_square_pvalue, CountedMachine, ReferenceRing, stateful_settings
+from .helpers import chi_square_pvalue, CountedMachine, stateful_settings
+from .reference import tags
 
 
 def _example():
@@ -27,120 +30,111 @@ def _batch(rows: int, start: int, t: int | None):
     return jax.tree.map(jnp.asarray, batch)
 
 
-def _check_sample(buffer, ref: ReferenceRing, sample: eb.Sample, sequence: bool):
-    exp = sample.experience
-    if isinstance(exp, eb.Transition):
-        tags = np.stack([np.asarray(exp.first["t"]), np.asarray(exp.second["t"])], axis=1)
-        obs = np.stack([np.asarray(exp.first["obs"]), np.asarray(exp.second["obs"])], axis=1)
-    elif sequence:
-        tags, obs = np.asarray(exp["t"]), np.asarray(exp["obs"])
-    else:
-        tags, obs = np.asarray(exp["t"])[:, None], np.asarray(exp["obs"])[:, None]
-    valid = set(ref.valid_starts())
-    pairs = zip(np.asarray(sample.indices), np.asarray(sample.steps), strict=True)
-    for i, (index, step) in enumerate(pairs):
-        row, slot = divmod(int(index), ref.length)
-        start = int(step)
-        assert start in valid, (start, sorted(valid))
-        assert slot == start % ref.length
-        window = ref.window(row, start)
-        np.testing.assert_array_equal(tags[i], window)
-        np.testing.assert_array_equal(obs[i], np.stack([window, -window], -1).astype(np.float32))
-    # Contiguity in time of one row, stated directly.
-    assert np.all(np.diff(tags, axis=1) == 1)
-
-
 def _make(kind, rows, length, seq, period):
     if kind == "trajectory":
         return eb.TrajectoryBuffer(
-            _example(),
-            add_batch_size=rows,
-            max_length_time_axis=length,
-            sequence_length=seq,
+            _example(), add_batch_size=rows, capacity=rows * length, sequence_length=seq,
             period=period,
-        )
+        )  # fmt: skip
     if kind == "transition":
-        return eb.TransitionBuffer(_example(), add_batch_size=rows, max_length_time_axis=length)
-    return eb.ItemBuffer(_example(), add_batch_size=rows, max_length_time_axis=length)
+        return eb.TransitionBuffer(_example(), add_batch_size=rows, capacity=rows * length)
+    return eb.ItemBuffer(_example(), add_batch_size=rows, capacity=rows * length)
+
+
+def _contiguous(sample: eb.Sample) -> None:
+    """Each sampled window is consecutive steps of one row (`t` counts the steps)."""
+    exp = sample.experience
+    if isinstance(exp, eb.Transition):
+        np.testing.assert_array_equal(np.asarray(exp.second["t"]), np.asarray(exp.first["t"]) + 1)
+    elif np.ndim(exp["t"]) == 2:
+        assert np.all(np.diff(np.asarray(exp["t"]), axis=1) == 1)
+
+
+UNIFORM = [eb.TrajectoryBuffer, eb.TransitionBuffer, eb.ItemBuffer]
 
 
 class BufferMachine(CountedMachine):
-    """Random adds (one step, several, a full ring, more than the ring) and samples, each
-    compared with the NumPy reference at the returned indices."""
+    """Random configurations (`equibuffer.testing.buffer_configs`), random adds (one step,
+    several, a full ring, more than the ring; `batches`) and samples, each compared with the
+    NumPy reference (`BufferReference.check_sample`)."""
 
     @initialize(
-        kind=st.sampled_from(["trajectory", "transition", "item"]),
-        rows=st.integers(1, 3),
-        length=st.integers(2, 7),
-        data=st.data(),
+        config=buffer_configs(UNIFORM, example=_example(), n_step=None, episodes=False),
+        seed=st.integers(0, 2**31 - 1),
     )
-    def setup(self, kind, rows, length, data):
-        if kind == "trajectory":
-            seq = data.draw(st.integers(1, length))
-            period = data.draw(st.integers(1, 4))
-        else:
-            seq, period = {"transition": 2, "item": 1}[kind], 1
-        self.kind = kind
-        self.buffer = _make(kind, rows, length, seq, period)
-        self.ref = ReferenceRing(rows, length, seq, period)
-        self.key = jax.random.key(data.draw(st.integers(0, 2**31 - 1)))
+    def setup(self, config, seed):
+        self.buffer = config.build()
+        self.ref = BufferReference.from_buffer(self.buffer)
+        self.key = jax.random.key(seed)
 
-    @rule(t=st.one_of(st.none(), st.integers(1, 3), st.integers(6, 16)))
-    def add(self, t):
-        batch = _batch(self.ref.rows, self.ref.total, t)
+    @rule(t=st.one_of(st.none(), st.integers(1, 3), st.integers(6, 16)), data=st.data())
+    def add(self, t, data):
+        batch = data.draw(batches(self.buffer, steps=st.just(t)), label="batch")
+        # `t` unique per (row, absolute step), so that data in the wrong place shows
+        tag = tags(self.buffer.add_batch_size, self.ref.history.total, 1 if t is None else t)
+        batch["t"] = jnp.asarray(tag[:, 0] if t is None else tag)
         self.buffer = self.buffer.add(batch)
-        self.ref.add(np.asarray(batch["t"])[:, None] if t is None else np.asarray(batch["t"]))
+        self.ref.add(batch)
 
     @rule(batch_size=st.integers(1, 9))
     def sample(self, batch_size):
-        if not self.buffer.can_sample():
+        if not self.ref.ready():
             return
         self.key, key = jax.random.split(self.key)
         sample = self.buffer.sample(key, batch_size)
-        _check_sample(self.buffer, self.ref, sample, sequence=self.kind == "trajectory")
+        self.ref.check_sample(sample)
+        _contiguous(sample)
 
     @invariant()
     def counters_match(self):
         if not hasattr(self, "ref"):
             return
         b, ref = self.buffer, self.ref
-        assert b.storage.steps_added() == ref.total
-        assert int(b.storage.fill) == ref.fill
-        assert int(b.size()) == ref.fill * ref.rows
-        assert int(b.num_windows()) == len(ref.valid_starts()) * ref.rows
-        assert bool(b.can_sample()) == (
-            ref.fill >= b.min_length_time_axis and bool(ref.valid_starts())
-        )
+        assert b.storage.steps_added() == ref.history.total
+        assert int(b.storage.fill) == ref.history.fill
+        assert int(b.size()) == ref.size()
+        assert int(b.num_windows()) == ref.num_windows()
+        assert bool(b.can_sample()) == ref.ready()
 
 
 BufferMachine.TestCase.settings = stateful_settings(max_examples=15, stateful_step_count=10)
 TestBufferMachine = pytest.mark.stateful(BufferMachine.TestCase)
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(filled_buffers(buffer_configs(UNIFORM, n_step=None, episodes=False), reference=True))
+def test_filled_uniform_buffers_match_the_reference(filled):
+    """Any example structure and dtypes, any configuration, filled to any point."""
+    buffer, ref = filled
+    assert int(buffer.size()) == ref.size() and bool(buffer.can_sample()) == ref.ready()
+    if ref.ready():
+        ref.check_sample(eqx.filter_jit(lambda b: b.sample(jax.random.key(0), 32))(buffer))
+
+
 @pytest.mark.parametrize("kind", ["trajectory", "transition", "item"])
 def test_sample_under_jit_matches_reference(kind):
     rows, length = 3, 6
-    buffer, ref = _make(kind, rows, length, 3, 2), ReferenceRing(rows, length, 3, 2)
-    if kind != "trajectory":
-        ref.sequence_length, ref.period = {"transition": 2, "item": 1}[kind], 1
+    buffer = _make(kind, rows, length, 3, 2)
+    ref = BufferReference.from_buffer(buffer)
     add = eqx.filter_jit(lambda b, x: b.add(x))
     sample = eqx.filter_jit(lambda b, k: b.sample(k, 64))
     for i, t in enumerate([2, 5, None, 9]):
-        batch = _batch(rows, ref.total, t)
+        batch = _batch(rows, ref.history.total, t)
         buffer = add(buffer, batch)
-        ref.add(np.asarray(batch["t"])[:, None] if t is None else np.asarray(batch["t"]))
-        assert bool(buffer.can_sample()) == bool(ref.valid_starts())
-        if ref.valid_starts():
-            _check_sample(buffer, ref, sample(buffer, jax.random.key(i)), kind == "trajectory")
+        ref.add(batch)
+        assert bool(buffer.can_sample()) == ref.ready() == bool(ref.valid())
+        if ref.ready():
+            drawn = sample(buffer, jax.random.key(i))
+            ref.check_sample(drawn)
+            _contiguous(drawn)
 
 
 def _frequencies(buffer, ref, n=30_000, seed=0):
     sample = eqx.filter_jit(lambda b, k: b.sample(k, n))(buffer, jax.random.key(seed))
-    starts = ref.valid_starts()
-    cells = {(r, s): i for i, (r, s) in enumerate((r, s) for r in range(ref.rows) for s in starts)}
+    cells = {w: i for i, w in enumerate(sorted(ref.valid()))}
     counts = np.zeros(len(cells))
-    for index, step in zip(np.asarray(sample.indices), np.asarray(sample.steps), strict=True):
-        counts[cells[(int(index) // ref.length, int(step))]] += 1
+    for window in ref.windows(sample):
+        counts[cells[window]] += 1
     return counts
 
 
@@ -150,10 +144,11 @@ def _frequencies(buffer, ref, n=30_000, seed=0):
 )
 def test_sampling_is_uniform_over_valid_windows(kind, seq, period):
     rows, length = 3, 11
-    buffer, ref = _make(kind, rows, length, seq, period), ReferenceRing(rows, length, seq, period)
+    buffer = _make(kind, rows, length, seq, period)
+    ref = BufferReference.from_buffer(buffer)
     for t in [7, 9]:  # 16 steps: the ring has wrapped
-        batch = _batch(rows, ref.total, t)
-        buffer, _ = buffer.add(batch), ref.add(np.asarray(batch["t"]))
+        batch = _batch(rows, ref.history.total, t)
+        buffer, _ = buffer.add(batch), ref.add(batch)
     counts = _frequencies(buffer, ref)
     assert np.all(counts > 0)
     assert chi_square_pvalue(counts, np.ones_like(counts)) > 1e-3

@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 import equibuffer as eb
+import equibuffer.testing as ebt
 
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -36,8 +37,9 @@ def _docs_blocks():
 
 def _docstring_examples():
     found = []
-    for name in eb.__all__ if hasattr(eb, "__all__") else dir(eb):
-        obj = getattr(eb, name)
+    names = [(n, getattr(eb, n)) for n in (eb.__all__ if hasattr(eb, "__all__") else dir(eb))]
+    names += [(f"testing.{n}", getattr(ebt, n)) for n in ebt.__all__]
+    for name, obj in names:
         if not getattr(obj, "__module__", "").startswith("equibuffer"):
             continue
         if inspect.isclass(obj):
@@ -65,7 +67,9 @@ def test_readme_python_blocks_run(code, capsys):
 @pytest.mark.parametrize(("code", "page"), _docs_blocks())
 def test_docs_python_blocks_run(code, page):
     """Each block of a page runs on its own (a page's blocks must be self-contained)."""
-    exec(compile(code, f"docs/{page}", "exec"), {})
+    # (An unreal file name: Hypothesis reads the source of a test it runs, and would try to
+    # parse the Markdown page as Python.)
+    exec(compile(code, f"<docs/{page}>", "exec"), {})
 
 
 @pytest.mark.parametrize("code", _docstring_examples())
@@ -77,6 +81,8 @@ def test_docstring_examples_run(code):
 
 def test_there_are_docstring_examples():
     assert len(_docstring_examples()) >= 5
+    testing = [p for p in _docstring_examples() if p.id.startswith("testing.")]
+    assert len(testing) >= len(ebt.__all__)
 
 
 def _public_names() -> list[str]:
@@ -98,6 +104,25 @@ def test_every_public_name_is_in_the_api_reference():
     assert not missing, f"public names missing from docs/api/*.md: {missing}"
     unknown = sorted(documented - set(_public_names()))
     assert not unknown, f"docs/api/*.md documents names equibuffer does not export: {unknown}"
+
+
+def test_every_testing_name_is_in_the_api_reference():
+    """The same for `equibuffer.testing`: each public name (its `__all__`) has a
+    `::: equibuffer.testing.Name` entry in a page of `docs/api/`, and a docstring example."""
+    documented = set()
+    for page in (ROOT / "docs" / "api").glob("*.md"):
+        pattern = r"^::: equibuffer\.testing\.(\w+)\s*$"
+        documented |= set(re.findall(pattern, page.read_text(), flags=re.M))
+    public = {
+        n for n in dir(ebt) if not n.startswith("_") and not inspect.ismodule(getattr(ebt, n))
+    }
+    assert set(ebt.__all__) == public, "equibuffer.testing.__all__ is not its public names"
+    missing = sorted(public - documented)
+    assert not missing, f"equibuffer.testing names missing from docs/api/*.md: {missing}"
+    unknown = sorted(documented - public)
+    assert not unknown, f"docs/api/*.md documents names equibuffer.testing lacks: {unknown}"
+    examples = {p.id.split(".")[1] for p in _docstring_examples() if p.id.startswith("testing.")}
+    assert public <= examples, f"without a docstring example: {sorted(public - examples)}"
 
 
 def test_every_page_is_in_the_nav():

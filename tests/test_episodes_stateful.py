@@ -140,12 +140,14 @@ class EpisodeMachine(CountedMachine):
     def start(self, config: Config, seed: int) -> None:
         self.c = config
         self.buffer = _make(config)
-        rule = EpisodeRule(
-            config.sequence_length, config.period, config.mode, lambda h: h.leaves["done"]
-        )
+        rule = EpisodeRule(config.sequence_length, config.period, config.mode, "done")
         alpha = config.alpha if config.prioritised else None
         self.ref = BufferReference(
-            config.rows, config.length, rule, config.min_length_time_axis, alpha
+            config.rows,
+            config.length,
+            rule,
+            min_steps_per_row=config.min_length_time_axis,
+            alpha=alpha,
         )
         self.history, self.rule = self.ref.history, self.ref.rule
         self.priorities = self.ref.priorities or Priorities(0.0)  # (unused when uniform)
@@ -218,26 +220,14 @@ class EpisodeMachine(CountedMachine):
         return sample
 
     def _check_sample(self, sample: Any, valid: set, beta: float) -> None:
-        c, h, s = self.c, self.history, self.c.sequence_length
-        indices, steps = np.asarray(sample.indices), np.asarray(sample.steps)
-        mask = np.asarray(sample.mask)
-        x, obs, done = (np.asarray(sample.experience[k]) for k in ("x", "obs", "done"))
-        assert x.shape == (BATCH, s) and obs.shape == (BATCH, s, 2) and mask.shape == (BATCH, s)
-        windows = [window_of(i, t, c.length) for i, t in zip(indices, steps, strict=True)]
-        for i, window in enumerate(windows):
-            assert window in valid, f"sampled {window}, valid: {sorted(valid)}"
-            want = self.rule.mask(h, window)
-            np.testing.assert_array_equal(mask[i], want)
-            np.testing.assert_array_equal(x[i], np.where(want, h.window("x", *window, s), 0))
-            data = np.where(want[:, None], h.window("obs", *window, s), 0)
-            np.testing.assert_array_equal(obs[i], data)
-            np.testing.assert_array_equal(done[i], h.window("done", *window, s) & want)
-        if c.prioritised:
-            probabilities = np.array([self.priorities.probability(w) for w in windows])
-            assert (probabilities > 0).all(), "a window of priority 0 was drawn"
-            np.testing.assert_allclose(np.asarray(sample.probabilities), probabilities, rtol=1e-5)
-            weights = (probabilities / probabilities.min()) ** -beta
-            np.testing.assert_allclose(np.asarray(sample.weights), weights, rtol=1e-4)
+        """Every window valid, in its place, with the reference's mask and data (zero past an
+        episode end), probabilities and weights (`BufferReference.check_sample`)."""
+        s = self.c.sequence_length
+        x, obs = sample.experience["x"], sample.experience["obs"]
+        assert x.shape == (BATCH, s) and obs.shape == (BATCH, s, 2)
+        assert sample.mask.shape == (BATCH, s)
+        assert set(self.ref.windows(sample)) <= valid
+        self.ref.check_sample(sample, beta)
 
 
 class PrioritisedEpisodeMachine(EpisodeMachine):

@@ -61,7 +61,7 @@ def _make(sources: tuple[Source, ...], proportions: tuple[float, ...]) -> eb.Mix
 
 def _reference(s: Source) -> BufferReference:
     if s.kind == "episode":
-        rule: Any = EpisodeRule(s.sequence_length, s.period, s.mode, lambda h: h.leaves["done"])
+        rule: Any = EpisodeRule(s.sequence_length, s.period, s.mode, "done")
     else:
         rule = UniformRule(s.sequence_length, s.period)
     return BufferReference(s.rows, s.length, rule, alpha=s.alpha)
@@ -195,8 +195,8 @@ class MixerMachine(CountedMachine):
                 assert window in valid, f"source {i} sampled {window}, valid: {sorted(valid)}"
                 mask = ref.rule.mask(ref.history, window)
                 s = source.sequence_length
-                want_x = np.where(mask, ref.history.window("x", *window, s), 0)
-                want_done = ref.history.window("done", *window, s) & mask
+                steps = ref.history.window(*window, s)
+                want_x, want_done = np.where(mask, steps["x"], 0), steps["done"] & mask
                 if source.kind == "item":
                     want_x, want_done = want_x[0], want_done[0]
                 np.testing.assert_array_equal(x[j], want_x)

@@ -1,7 +1,7 @@
 """Stateful test of `TransitionBuffer(n_step=..., discount=...)`: random adds of steps with
 random rewards, terminations and truncations (with a `truncated` leaf, without one, and with
-one the buffer is told to ignore), and samples, every n-step transition compared with a plain
-NumPy computation (`tests/reference.py`).
+one the buffer is told to ignore), and samples, every n-step transition compared with the NumPy
+reference (`equibuffer.testing`: `BufferReference` with an `NStepView`).
 
 Only the public API is used, and every buffer is built by `_make`.
 """
@@ -20,7 +20,7 @@ from hypothesis.stateful import initialize, rule
 import equibuffer as eb
 
 from .helpers import CountedMachine, stateful_settings
-from .reference import can_sample, History, n_step, tags, UniformRule, window_of
+from .reference import BufferReference, NStepView, tags, UniformRule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,13 +96,19 @@ class NStepMachine(CountedMachine):
     def setup(self, config: Config, seed: int):
         self.c = config
         self.buffer = _make(config)
-        self.history = History(config.rows, config.length)
-        self.rule = UniformRule(sequence_length=config.n + 1)
+        view = NStepView(config.n, config.discount, truncated=config.truncated)
+        self.ref = BufferReference(
+            config.rows,
+            config.length,
+            UniformRule(sequence_length=config.n + 1),
+            view=view,
+            min_steps_per_row=config.min_length_time_axis,
+        )
+        self.history, self.rule = self.ref.history, self.ref.rule
         self.key = jax.random.key(seed)
 
     def _ready(self) -> bool:
-        c = self.c
-        return can_sample(self.history, c.n + 1, 1, c.min_length_time_axis or c.n + 1)
+        return self.ref.ready()
 
     @rule(t=st.sampled_from(ADD_STEPS), data=st.data())
     def add(self, t: int | None, data: st.DataObject):
@@ -124,14 +130,14 @@ class NStepMachine(CountedMachine):
             steps["truncated"] = draw(FLAG, "truncated").astype(bool)
         batch = steps if t is not None else {k: v[:, 0] for k, v in steps.items()}
         self.buffer, seen = _add(self.buffer, jax.tree.map(jnp.asarray, batch))
-        h.add(steps)
+        self.ref.add(steps)
         assert bool(seen["can_sample"]) == self._ready()
         assert int(seen["size"]) == h.fill * c.rows
         assert int(seen["num_windows"]) == len(self.rule.valid(h))
 
     @rule()
     def sample(self):
-        c, h = self.c, self.history
+        h = self.history
         self.key, key = jax.random.split(self.key)
         if not self._ready():
             with pytest.raises(Exception, match=TOO_EARLY):
@@ -140,31 +146,10 @@ class NStepMachine(CountedMachine):
         sample = _sample(self.buffer, key)
         out = sample.experience
         assert isinstance(out, eb.NStepTransition)
-        valid = self.rule.valid(h)
-        pairs = zip(np.asarray(sample.indices), np.asarray(sample.steps), strict=True)
-        got = {
-            "steps": np.asarray(out.steps),
-            "reward": np.asarray(out.reward),
-            "discount": np.asarray(out.discount),
-        }
-        views = {name: jax.tree.map(np.asarray, getattr(out, name)) for name in _AT}
-        assert set(views["first"]) == set(h.leaves)
-        for i, (index, step) in enumerate(pairs):
-            window = window_of(index, step, c.length)
-            assert window in valid, f"sampled {window}, valid: {sorted(valid)}"
-            m, reward, bootstrap = n_step(h, window, c.n, c.discount, truncated=c.truncated)
-            assert got["steps"][i] == m
-            np.testing.assert_allclose(got["reward"][i], reward, rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(got["discount"][i], bootstrap, rtol=1e-6)
-            row, start = window
-            for name, offset in _AT.items():
-                at = start + offset(m)
-                for leaf, values in views[name].items():
-                    np.testing.assert_array_equal(values[i], h.at(leaf, row, at), err_msg=name)
-
-
-# Where each step of an n-step transition is, from its start, given the steps taken `m`.
-_AT = {"first": lambda m: 0, "last": lambda m: m - 1, "second": lambda m: m}
+        assert set(out.first) == set(h.steps)
+        assert set(self.ref.windows(sample)) <= self.rule.valid(h)
+        # first, last, second, reward, discount and steps of each transition
+        self.ref.check_sample(sample)
 
 
 NStepMachine.TestCase.settings = stateful_settings(max_examples=50, stateful_step_count=12)

@@ -79,7 +79,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.12")
 def typecheck(session: nox.Session) -> None:
     """pyright over the package."""
-    install(session, "typecheck", package=".[s3]")
+    install(session, "typecheck", package=".[s3,testing]")
     session.run("pyright")
 
 

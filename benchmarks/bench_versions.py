@@ -147,42 +147,18 @@ def _ops(lib: Any, shape: tuple[int, ...], capacity: int, new_api: bool) -> dict
             True,
         ),
     }
+    # The new prioritised n-step buffer (n = 3) against the old composition it replaces, a
+    # prioritised trajectory buffer of n + 1 = 4 steps.
     if new_api:
         nstep = lambda: lib.PrioritisedTransitionBuffer(  # noqa: E731
             ex, add_batch_size=8, capacity=capacity, n_step=3, discount=0.99
         )
-        ops["n-step sample (old: prioritised trajectory of 4)"] = (
-            lambda: filled(nstep, 8),
-            psample,
-            False,
-        )
-        ops["n-step add 16 steps (old: prioritised trajectory of 4)"] = (
-            nstep,
-            lambda b, k: b.add(seq),
-            True,
-        )
-        ops["n-step set_priorities (old: prioritised trajectory of 4)"] = (
-            lambda: filled(nstep, 8),
-            set_priorities,
-            True,
-        )
     else:
-        old4 = lambda: ptraj(8, 4)  # noqa: E731
-        ops["n-step sample (old: prioritised trajectory of 4)"] = (
-            lambda: filled(old4, 8),
-            psample,
-            False,
-        )
-        ops["n-step add 16 steps (old: prioritised trajectory of 4)"] = (
-            old4,
-            lambda b, k: b.add(seq),
-            True,
-        )
-        ops["n-step set_priorities (old: prioritised trajectory of 4)"] = (
-            lambda: filled(old4, 8),
-            set_priorities,
-            True,
-        )
+        nstep = lambda: ptraj(8, 4)  # noqa: E731
+    versus = "(old: prioritised trajectory of 4)"
+    ops[f"n-step sample {versus}"] = (lambda: filled(nstep, 8), psample, False)
+    ops[f"n-step add 16 steps {versus}"] = (nstep, lambda b, k: b.add(seq), True)
+    ops[f"n-step set_priorities {versus}"] = (lambda: filled(nstep, 8), set_priorities, True)
     return ops
 
 

@@ -12,7 +12,6 @@ loop.
 import equinox as eqx
 from jaxtyping import Array, Bool, Int
 
-from .._checks import check_positive_int
 from .._custom_types import ExampleTree
 from .._ring import RingStorage
 from .._sumtree import SumTree
@@ -32,8 +31,8 @@ from ._samples import (
     EpisodeSample as EpisodeSample,
     PrioritisedEpisodeSample as PrioritisedEpisodeSample,
 )
-from ._sizes import SizeArgs
-from ._views import AbstractView, window_view, WindowView
+from ._sizes import configure, SizeArgs
+from ._views import AbstractView, window_view
 
 
 def _episodic(rule: object) -> "Episodic | PrioritisedEpisodic":
@@ -44,25 +43,6 @@ def _episodic(rule: object) -> "Episodic | PrioritisedEpisodic":
 def _prioritised_episodic(rule: object) -> PrioritisedEpisodic:
     assert isinstance(rule, PrioritisedEpisodic)
     return rule
-
-
-def _configure(
-    where: str,
-    example: ExampleTree,
-    add_batch_size: int,
-    sequence_length: int,
-    period: int,
-    sizes: SizeArgs,
-) -> tuple[RingStorage, WindowView, int, int]:
-    """The storage, view, period and steps per row before sampling that both episode buffers
-    build from their arguments (checked)."""
-    storage = sizes.storage(where, example, add_batch_size, flat=False)
-    view = window_view(where, sequence_length)
-    period = check_positive_int(where, "period", period)
-    min_length = sizes.min_length_time_axis_for(
-        where, storage, sequence_length, view.window_name, flat=False
-    )
-    return storage, view, period, min_length
 
 
 class EpisodeTrajectoryBuffer(AbstractUniformBuffer):
@@ -156,9 +136,10 @@ class EpisodeTrajectoryBuffer(AbstractUniformBuffer):
             capacity, max_size, max_length, max_length_time_axis,
             min_size, min_length, min_length_time_axis,
         )  # fmt: skip
-        self.storage, self.view, self.period, self.min_length_time_axis = _configure(
-            where, example, add_batch_size, sequence_length, period, sizes
-        )
+        self.storage, self.view, self.period, self.min_length_time_axis = configure(
+            where, example, add_batch_size, sizes, lambda _: window_view(where, sequence_length),
+            flat=False, period=period,
+        )  # fmt: skip
         self.rule = episodic(where, self.storage, episode_end, mode)
 
     @property
@@ -251,9 +232,10 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
             capacity, max_size, max_length, max_length_time_axis,
             min_size, min_length, min_length_time_axis,
         )  # fmt: skip
-        self.storage, self.view, self.period, self.min_length_time_axis = _configure(
-            where, example, add_batch_size, sequence_length, period, sizes
-        )
+        self.storage, self.view, self.period, self.min_length_time_axis = configure(
+            where, example, add_batch_size, sizes, lambda _: window_view(where, sequence_length),
+            flat=False, period=period,
+        )  # fmt: skip
         self.rule = prioritised_episodic(where, self.storage, episode_end, mode, alpha)
 
     @property

@@ -4,7 +4,7 @@ from .._custom_types import ExampleTree
 from .._ring import RingStorage
 from ._base import AbstractUniformBuffer
 from ._rules import AbstractUniformRule, Uniform
-from ._sizes import SizeArgs
+from ._sizes import configure, SizeArgs
 from ._views import AbstractView, ItemView
 
 
@@ -60,10 +60,7 @@ class ItemBuffer(AbstractUniformBuffer):
             capacity, max_size, max_length, max_length_time_axis,
             min_size, min_length, min_length_time_axis,
         )  # fmt: skip
-        self.storage = sizes.storage(where, example, add_batch_size, flat=True)
-        self.view = ItemView()
-        self.period = 1
-        self.min_length_time_axis = sizes.min_length_time_axis_for(
-            where, self.storage, 1, self.view.window_name, flat=True
+        self.storage, self.view, self.period, self.min_length_time_axis = configure(
+            where, example, add_batch_size, sizes, lambda _: ItemView(), flat=True
         )
         self.rule = Uniform()

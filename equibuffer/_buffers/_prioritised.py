@@ -24,7 +24,7 @@ from ._rules import (
     update_target,
 )
 from ._samples import PrioritisedEpisodeSample, PrioritisedSample as PrioritisedSample, Sample
-from ._sizes import SizeArgs
+from ._sizes import configure, SizeArgs
 from ._transition import transition_view
 from ._views import AbstractView, ItemView, window_view
 
@@ -260,12 +260,10 @@ class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
             capacity, max_size, max_length, max_length_time_axis,
             min_size, min_length, min_length_time_axis,
         )  # fmt: skip
-        self.storage = sizes.storage(where, example, add_batch_size, flat=False)
-        self.view = window_view(where, sequence_length)
-        self.period = check_positive_int(where, "period", period)
-        self.min_length_time_axis = sizes.min_length_time_axis_for(
-            where, self.storage, sequence_length, self.view.window_name, flat=False
-        )
+        self.storage, self.view, self.period, self.min_length_time_axis = configure(
+            where, example, add_batch_size, sizes, lambda _: window_view(where, sequence_length),
+            flat=False, period=period,
+        )  # fmt: skip
         self.rule = prioritised(where, self.storage, alpha)
 
 
@@ -329,14 +327,13 @@ class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
             capacity, max_size, max_length, max_length_time_axis,
             min_size, min_length, min_length_time_axis,
         )  # fmt: skip
-        self.storage = sizes.storage(where, example, add_batch_size, flat=True)
-        self.view = transition_view(
-            where, self.storage, n_step, discount, reward, terminated, truncated
-        )
-        self.period = 1
-        self.min_length_time_axis = sizes.min_length_time_axis_for(
-            where, self.storage, self.view.window_length, self.view.window_name, flat=True
-        )
+        self.storage, self.view, self.period, self.min_length_time_axis = configure(
+            where, example, add_batch_size, sizes,
+            lambda storage: transition_view(
+                where, storage, n_step, discount, reward, terminated, truncated
+            ),
+            flat=True,
+        )  # fmt: skip
         if episode_end is None:
             self.rule = prioritised(where, self.storage, alpha)
         else:
@@ -390,10 +387,7 @@ class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
             capacity, max_size, max_length, max_length_time_axis,
             min_size, min_length, min_length_time_axis,
         )  # fmt: skip
-        self.storage = sizes.storage(where, example, add_batch_size, flat=True)
-        self.view = ItemView()
-        self.period = 1
-        self.min_length_time_axis = sizes.min_length_time_axis_for(
-            where, self.storage, 1, self.view.window_name, flat=True
+        self.storage, self.view, self.period, self.min_length_time_axis = configure(
+            where, example, add_batch_size, sizes, lambda _: ItemView(), flat=True
         )
         self.rule = prioritised(where, self.storage, alpha)

@@ -14,11 +14,13 @@ refused with an error naming what to pass.
 """
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 from .._checks import check_positive_int
 from .._custom_types import ExampleTree
 from .._ring import RingStorage
+from ._views import AbstractView
 
 
 def _one_of(where: str, given: dict[str, int | None], expected: str) -> tuple[str, int] | None:
@@ -171,3 +173,33 @@ class SizeArgs(NamedTuple):
             min_length=self.min_length,
             min_length_time_axis=self.min_length_time_axis,
         )
+
+
+class Parts(NamedTuple):
+    """What a buffer's constructor builds from its arguments, checked."""
+
+    storage: RingStorage
+    view: AbstractView
+    period: int
+    min_length_time_axis: int
+
+
+def configure(
+    where: str,
+    example: ExampleTree,
+    add_batch_size: int,
+    sizes: SizeArgs,
+    view: Callable[[RingStorage], AbstractView],
+    *,
+    flat: bool,
+    period: int = 1,
+) -> Parts:
+    """The storage sized by `sizes`, the view `view(storage)` builds, the period and the steps
+    per row before sampling (one window of the view at least): every buffer's configuration."""
+    storage = sizes.storage(where, example, add_batch_size, flat=flat)
+    built = view(storage)
+    period = check_positive_int(where, "period", period)
+    minimum = sizes.min_length_time_axis_for(
+        where, storage, built.window_length, built.window_name, flat=flat
+    )
+    return Parts(storage, built, period, minimum)

@@ -1,11 +1,10 @@
 import equinox as eqx
 
-from .._checks import check_positive_int
 from .._custom_types import ExampleTree
 from .._ring import RingStorage
 from ._base import AbstractUniformBuffer
 from ._rules import AbstractUniformRule, Uniform
-from ._sizes import SizeArgs
+from ._sizes import configure, SizeArgs
 from ._views import AbstractView, window_view
 
 
@@ -72,10 +71,8 @@ class TrajectoryBuffer(AbstractUniformBuffer):
             capacity, max_size, max_length, max_length_time_axis,
             min_size, min_length, min_length_time_axis,
         )  # fmt: skip
-        self.storage = sizes.storage(where, example, add_batch_size, flat=False)
-        self.view = window_view(where, sequence_length)
-        self.period = check_positive_int(where, "period", period)
-        self.min_length_time_axis = sizes.min_length_time_axis_for(
-            where, self.storage, sequence_length, self.view.window_name, flat=False
-        )
+        self.storage, self.view, self.period, self.min_length_time_axis = configure(
+            where, example, add_batch_size, sizes, lambda _: window_view(where, sequence_length),
+            flat=False, period=period,
+        )  # fmt: skip
         self.rule = Uniform()

@@ -5,7 +5,7 @@ from .._nstep import check_discount, check_leaves, check_n_step
 from .._ring import RingStorage
 from ._base import AbstractUniformBuffer
 from ._rules import AbstractUniformRule, EpisodeEnd, episodic, Mode, Uniform
-from ._sizes import SizeArgs
+from ._sizes import configure, SizeArgs
 from ._views import AbstractView, NStepView, PairView
 
 
@@ -106,14 +106,13 @@ class TransitionBuffer(AbstractUniformBuffer):
             capacity, max_size, max_length, max_length_time_axis,
             min_size, min_length, min_length_time_axis,
         )  # fmt: skip
-        self.storage = sizes.storage(where, example, add_batch_size, flat=True)
-        self.view = transition_view(
-            where, self.storage, n_step, discount, reward, terminated, truncated
-        )
-        self.period = 1
-        self.min_length_time_axis = sizes.min_length_time_axis_for(
-            where, self.storage, self.view.window_length, self.view.window_name, flat=True
-        )
+        self.storage, self.view, self.period, self.min_length_time_axis = configure(
+            where, example, add_batch_size, sizes,
+            lambda storage: transition_view(
+                where, storage, n_step, discount, reward, terminated, truncated
+            ),
+            flat=True,
+        )  # fmt: skip
         if episode_end is None:
             self.rule = Uniform()
         else:

@@ -1,7 +1,9 @@
 """Trace-time checks of user input, with messages that name the leaf and what to change."""
 
-from collections.abc import Sequence
-from typing import Any
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec
 
 import jax
 import jax.numpy as jnp
@@ -79,3 +81,44 @@ def check_dtype(where: str, path: Sequence[Any], got: Any, expected: Any) -> Non
             f"{where}: leaf {keystr(path)} has dtype {jnp.dtype(got).name}, expected {e} "
             f"(the example's dtype); nothing is cast silently: pass x.astype(jnp.{e})."
         )
+
+
+# Flashbax's factory arguments that equibuffer has no constructor argument for, and what to pass
+# instead. A ported call that keeps one gets this, not Python's bare "unexpected keyword".
+FLASHBAX_ONLY = {
+    "sample_batch_size": (
+        "pass the batch size to each call instead: `buffer.sample(key, batch_size)`"
+    ),
+    "sample_sequence_length": "pass `sequence_length=` (on the trajectory buffers and the Queue)",
+    "add_sequences": (
+        "drop it: `add` takes one step `(add_batch_size, *leaf)` or `T` steps "
+        "`(add_batch_size, T, *leaf)`, told apart by the batch's rank"
+    ),
+    "add_batches": (
+        "drop it: every `add` has the leading `add_batch_size` axis "
+        "(`add_batch_size=1` and `x[None]` for a single stream)"
+    ),
+    "priority_exponent": "pass `alpha=` (on the prioritised buffers)",
+    "device": "drop it: one sum tree runs on every platform",
+}
+
+_Params = ParamSpec("_Params")
+
+
+def refuse_flashbax_only(init: Callable[_Params, None]) -> Callable[_Params, None]:
+    """Decorate a constructor so that a Flashbax-only keyword it does not take (`FLASHBAX_ONLY`)
+    raises a `TypeError` naming what to pass instead."""
+    taken = inspect.signature(init).parameters.keys()
+    refused = FLASHBAX_ONLY.keys() - taken
+
+    @functools.wraps(init)
+    def checked(*args: _Params.args, **kwargs: _Params.kwargs) -> None:
+        for name in sorted(refused & kwargs.keys()):
+            owner = f"{type(args[0]).__name__}()" if args else init.__qualname__
+            raise TypeError(
+                f"{owner}: `{name}` is a Flashbax factory argument that equibuffer does not take: "
+                f"{FLASHBAX_ONLY[name]}."
+            )
+        init(*args, **kwargs)
+
+    return checked

@@ -26,7 +26,7 @@ from ._buffers._rules import (
     update_target,
 )
 from ._buffers._samples import PrioritisedSample, Sample
-from ._checks import check_positive_int
+from ._checks import check_positive_int, refuse_flashbax_only
 from ._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar, StepCount, Steps
 from ._protocol import AbstractPrioritisedSource, AbstractReplayBuffer
 from ._ring import check_batch, RingStorage
@@ -603,6 +603,7 @@ class ClusteredBuffer(AbstractClusteredBuffer):
     cluster_fn: Callable[[Any], Any] = eqx.field(static=True)
     weights: tuple[float, ...] | None = eqx.field(static=True)
 
+    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,
@@ -723,6 +724,7 @@ class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSou
     cluster_fn: Callable[[Any], Any] = eqx.field(static=True)
     weights: tuple[float, ...] | None = eqx.field(static=True)
 
+    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,

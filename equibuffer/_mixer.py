@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree, Shaped
 
 from ._buffers._base import Sample
-from ._checks import check_positive_int, keystr
+from ._checks import check_positive_int, keystr, refuse_flashbax_only
 from ._custom_types import BoolScalar, IntScalar
 from ._protocol import AbstractPrioritisedSource, AbstractSource
 
@@ -103,6 +103,7 @@ class Mixer(AbstractPrioritisedSource):
     buffers: tuple[AbstractSource, ...]
     proportions: tuple[float, ...] = eqx.field(static=True)
 
+    @refuse_flashbax_only
     def __init__(self, buffers: Sequence[AbstractSource], proportions: Sequence[float]):
         """**Arguments:**
 

@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from ._buffers._base import Sample
-from ._checks import check_positive_int
+from ._checks import check_positive_int, refuse_flashbax_only
 from ._custom_types import BoolScalar, ExperienceBatch, StepCount
 from ._protocol import AbstractPrioritisedSource, AbstractReplayBuffer
 
@@ -126,6 +126,7 @@ class RateLimited(eqx.Module):
     samples_per_insert: float = eqx.field(static=True)
     tolerance: float = eqx.field(static=True)
 
+    @refuse_flashbax_only
     def __init__(
         self,
         buffer: AbstractReplayBuffer,

@@ -1,6 +1,7 @@
 """Size arguments: one spelling per unit on every buffer, Flashbax's names meaning what they
 mean in Flashbax (or refused with an error naming what to pass), the count of steps added."""
 
+import functools
 import math
 import re
 
@@ -83,6 +84,66 @@ def test_flashbax_flat_names_refused_on_trajectory_buffers(cls, kw, flat):
         ),
     ):
         cls(EXAMPLE, add_batch_size=2, capacity=16, min_length=4, **kw)
+
+
+def _every_constructor():
+    """One call per public constructor, each taking keyword arguments to add."""
+    partial = functools.partial
+    calls = [
+        (f"{cls.__name__}{'-nstep' if 'n_step' in kw else ''}",
+         partial(cls, EXAMPLE, add_batch_size=2, capacity=16, **kw))
+        for cls, kw, _ in KINDS
+    ]  # fmt: skip
+    queue = partial(eb.Queue, EXAMPLE, add_batch_size=2, capacity=16, sequence_length=2)
+    calls.append(("Queue", queue))
+    for cls in (eb.ClusteredBuffer, eb.PrioritisedClusteredBuffer):
+        clustered = partial(cls, EXAMPLE, add_batch_size=2, num_clusters=2, cluster_capacity=4,
+                            cluster_fn=lambda step: step["done"].astype(jnp.int32))  # fmt: skip
+        calls.append((cls.__name__, clustered))
+    source = eb.TransitionBuffer(EXAMPLE, add_batch_size=2, capacity=16)
+    calls.append(("Mixer", partial(eb.Mixer, [source, source], [0.5, 0.5])))
+    limited = partial(eb.RateLimited, source, samples_per_insert=1.0, tolerance=2.0)
+    calls.append(("RateLimited", limited))
+    return calls
+
+
+CONSTRUCTORS = _every_constructor()
+# Flashbax's factory arguments equibuffer has no argument for, and the spelling the error names.
+FLASHBAX_ONLY = {
+    "sample_batch_size": (4, "pass the batch size to each call instead: `buffer.sample(key, "),
+    "sample_sequence_length": (3, "pass `sequence_length=`"),
+    "add_sequences": (True, "drop it: `add` takes one step `(add_batch_size, *leaf)` or `T` "),
+    "add_batches": (True, "drop it: every `add` has the leading `add_batch_size` axis"),
+    "priority_exponent": (0.6, "pass `alpha=`"),
+    "device": ("gpu", "drop it: one sum tree runs on every platform"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLASHBAX_ONLY))
+@pytest.mark.parametrize("make", [c[1] for c in CONSTRUCTORS], ids=[c[0] for c in CONSTRUCTORS])
+def test_flashbax_only_arguments_name_what_to_pass(make, name):
+    cls = make.func
+    make()  # the call is valid without the Flashbax argument
+    value, hint = FLASHBAX_ONLY[name]
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            f"{cls.__name__}(): `{name}` is a Flashbax factory argument that equibuffer does not "
+            f"take: {hint}"
+        ),
+    ):
+        make(**{name: value})
+
+
+def test_flashbax_only_check_keeps_signatures_and_real_typos():
+    """The check changes neither the signature a user (or an IDE) reads nor Python's error for
+    a keyword that is no one's."""
+    import inspect
+
+    params = inspect.signature(eb.TrajectoryBuffer).parameters
+    assert "sequence_length" in params and "sample_batch_size" not in params
+    with pytest.raises(TypeError, match="unexpected keyword argument 'perod'"):
+        eb.TrajectoryBuffer(EXAMPLE, add_batch_size=2, capacity=16, sequence_length=2, perod=2)
 
 
 def test_queue_sizes():

@@ -12,6 +12,7 @@ loop.
 import equinox as eqx
 from jaxtyping import Array, Bool, Int
 
+from .._checks import refuse_flashbax_only
 from .._custom_types import ExampleTree
 from .._ring import RingStorage
 from .._sumtree import SumTree
@@ -102,6 +103,7 @@ class EpisodeTrajectoryBuffer(AbstractUniformBuffer):
     period: int = eqx.field(static=True)
     min_length_time_axis: int = eqx.field(static=True)
 
+    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,
@@ -201,6 +203,7 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
     period: int = eqx.field(static=True)
     min_length_time_axis: int = eqx.field(static=True)
 
+    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,

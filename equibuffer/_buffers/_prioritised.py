@@ -6,7 +6,7 @@ from typing import TypeVar
 import equinox as eqx
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._checks import check_positive_int
+from .._checks import check_positive_int, refuse_flashbax_only
 from .._custom_types import ExampleTree, Steps
 from .._protocol import AbstractPrioritisedSource
 from .._ring import RingStorage
@@ -231,6 +231,7 @@ class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
     period: int = eqx.field(static=True)
     min_length_time_axis: int = eqx.field(static=True)
 
+    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,
@@ -291,6 +292,7 @@ class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
     period: int = eqx.field(static=True)
     min_length_time_axis: int = eqx.field(static=True)
 
+    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,
@@ -361,6 +363,7 @@ class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
     period: int = eqx.field(static=True)
     min_length_time_axis: int = eqx.field(static=True)
 
+    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,

@@ -5,7 +5,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from .._checks import check_positive_int
+from .._checks import check_positive_int, refuse_flashbax_only
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar
 from .._ring import RingStorage
 from .._windows import gather
@@ -47,6 +47,7 @@ class Queue(AbstractRingHolder):
     sequence_length: int = eqx.field(static=True)
     add_sequence_length: int | None = eqx.field(static=True)
 
+    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,

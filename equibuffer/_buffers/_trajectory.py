@@ -1,5 +1,6 @@
 import equinox as eqx
 
+from .._checks import refuse_flashbax_only
 from .._custom_types import ExampleTree
 from .._ring import RingStorage
 from ._base import AbstractUniformBuffer
@@ -35,6 +36,7 @@ class TrajectoryBuffer(AbstractUniformBuffer):
     period: int = eqx.field(static=True)
     min_length_time_axis: int = eqx.field(static=True)
 
+    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,

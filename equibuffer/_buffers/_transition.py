@@ -1,5 +1,6 @@
 import equinox as eqx
 
+from .._checks import refuse_flashbax_only
 from .._custom_types import ExampleTree
 from .._nstep import check_discount, check_leaves, check_n_step
 from .._ring import RingStorage
@@ -54,6 +55,7 @@ class TransitionBuffer(AbstractUniformBuffer):
     period: int = eqx.field(static=True)
     min_length_time_axis: int = eqx.field(static=True)
 
+    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,

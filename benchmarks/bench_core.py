@@ -23,7 +23,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import time
 import warnings
 from collections.abc import Callable
@@ -37,6 +36,7 @@ import numpy as np
 
 import equibuffer as eb
 
+from ._machine import describe
 from ._timing import fmt_time, materialise, table
 
 
@@ -381,7 +381,8 @@ def main() -> None:
         f"{datetime.date.today()}",
         flush=True,
     )
-    results: dict[str, Any] = {"capacity": capacity, "jax": jax.__version__}
+    machine = describe()
+    results: dict[str, Any] = {"capacity": capacity, "observation": f"{OBS} float32"}
     if args.only in (None, "ops"):
         ops = section_ops(capacity, args.steps, args.jax_jit)
         print("\nadd / sample, best of N (ratio > 1: equibuffer faster):")
@@ -393,8 +394,9 @@ def main() -> None:
         _print(caps)
         results["capacity_sweep"] = caps
     if args.json:
+        results["machine"] = {**machine, "load_average_after": describe()["load_average_1_5_15"]}
         with open(args.json, "w") as f:
-            json.dump({**results, "machine": platform.platform()}, f, indent=1, default=str)
+            json.dump(results, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

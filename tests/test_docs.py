@@ -229,10 +229,17 @@ def test_benchmark_tables_render(tmp_path):
     spec.loader.exec_module(gen_bench)
     assert "--json benchmarks/results/" in gen_bench.render(tmp_path)
     rows = [{"op": "add", "fbx/ours": "2.00", "_raw": [1.0]}, {"op": "a|b", "fbx/ours": "0.90"}]
-    (tmp_path / "core.json").write_text(json.dumps({"jax": "0.12", "ops": rows}))
+    machine = {"cpu": "AMD EPYC", "cores": 2}
+    (tmp_path / "core.json").write_text(
+        json.dumps({"jax": "0.12", "ops": rows, "machine": machine})
+    )
     out = gen_bench.render(tmp_path)
     assert "- jax: `0.12`" in out and "#### ops" in out
+    assert "Machine:\n\n- cpu: `AMD EPYC`\n- cores: `2`" in out
     assert "| op | fbx/ours |\n| --- | --- |\n| add | 2.00 |\n| a\\|b | 0.90 |" in out
+    # Each ratio column is drawn too: one inline SVG per column, bars labelled by the row.
+    assert out.count("<figure>\n<svg") == 1 and "<?xml" not in out
+    assert "fbx/ours" in gen_bench._ratio_columns(rows) and gen_bench._label(rows[1]) == "a|b"
     page = "# Benchmarks\n\n" + gen_bench.MARKER + "\n"
     assert gen_bench.on_page_markdown(page, None, None, None) == page.replace(
         gen_bench.MARKER, gen_bench.render()

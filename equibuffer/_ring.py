@@ -6,7 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from equinox.internal import unvmap_all
-from jaxtyping import Array, Int, PyTree, Shaped
+from jaxtyping import Array, Int, PyTree, Shaped, UInt32
 
 from ._checks import as_example_leaf, check_dtype, check_positive_int, check_structure, keystr
 from ._custom_types import Count, ExampleTree, ExperienceBatch, IntScalar, StepCount
@@ -57,10 +57,9 @@ class RingStorage(eqx.Module):
     """
 
     data: PyTree[Shaped[Array, "rows length ..."]]
-    head: Int[Array, ""]
-    fill: Int[Array, ""]
-    count_lo: Count
-    count_hi: Count
+    # `[head, fill, count_lo, count_hi]` in one array: each leaf of a buffer costs a jitted
+    # call from Python about 1 us to flatten and rebuild (see the properties below).
+    counters: UInt32[Array, "4"]
     rows: int = eqx.field(static=True)
     length: int = eqx.field(static=True)
 
@@ -78,10 +77,66 @@ class RingStorage(eqx.Module):
         self.data = jax.tree_util.tree_unflatten(
             treedef, [jnp.zeros((self.rows, self.length, *s.shape), s.dtype) for s in structs]
         )
-        self.head = jnp.array(0, jnp.int32)
-        self.fill = jnp.array(0, jnp.int32)
-        self.count_lo = jnp.array(0, jnp.uint32)
-        self.count_hi = jnp.array(0, jnp.uint32)
+        self.counters = jnp.zeros(4, jnp.uint32)
+
+    @property
+    def head(self) -> Int[Array, ""]:
+        """The slot the next step of every row goes to (0-d int32)."""
+        return self.counters[0].astype(jnp.int32)
+
+    @property
+    def fill(self) -> Int[Array, ""]:
+        """The number of steps held per row, at most `length` (0-d int32)."""
+        return self.counters[1].astype(jnp.int32)
+
+    @property
+    def count_lo(self) -> Count:
+        """The low `uint32` word of the count of steps ever added per row."""
+        return self.counters[2]
+
+    @property
+    def count_hi(self) -> Count:
+        """The high `uint32` word of the count of steps ever added per row."""
+        return self.counters[3]
+
+    def with_counters(
+        self,
+        *,
+        head: int | None = None,
+        fill: int | None = None,
+        steps_added: int | None = None,
+    ) -> "RingStorage":
+        """The storage with its write head, fill or count of steps added replaced (host
+        side; `None` keeps the current value), the data unchanged: for restoring a ring whose
+        data was put back in place, or for testing long runs without running them.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            storage = eb.RingStorage({"x": jnp.zeros(())}, rows=1, length=4)
+            storage = storage.with_counters(head=3, fill=4, steps_added=2**32 + 7)
+            assert storage.steps_added() == 2**32 + 7 and int(storage.head) == 3
+            ```
+        """
+        where = f"{type(self).__name__}.with_counters()"
+        old = [int(c) for c in jax.device_get(self.counters)]
+        new = list(old)
+        if head is not None:
+            if not 0 <= int(head) < self.length:
+                raise ValueError(f"{where}: head={head} is not a slot of length={self.length}.")
+            new[0] = int(head)
+        if fill is not None:
+            if not 0 <= int(fill) <= self.length:
+                raise ValueError(f"{where}: fill={fill} is not in [0, length={self.length}].")
+            new[1] = int(fill)
+        if steps_added is not None:
+            if not 0 <= int(steps_added) < 1 << 64:
+                raise ValueError(f"{where}: steps_added={steps_added} is not in [0, 2**64).")
+            new[2], new[3] = int(steps_added) % _TWO_32, int(steps_added) // _TWO_32
+        counters = jax.device_put(jnp.asarray(new, jnp.uint32), self.counters.sharding)
+        return eqx.tree_at(lambda s: s.counters, self, counters)
 
     def example(self) -> PyTree[jax.ShapeDtypeStruct]:
         """The shape and dtype of one step, as `jax.ShapeDtypeStruct`s.
@@ -251,11 +306,8 @@ class RingStorage(eqx.Module):
         fill = jnp.minimum(self.fill + keep, length)
         lo = self.count_lo + jnp.uint32(t % _TWO_32)
         hi = self.count_hi + jnp.uint32(t // _TWO_32) + (lo < self.count_lo).astype(jnp.uint32)
-        storage = eqx.tree_at(
-            lambda s: (s.data, s.head, s.fill, s.count_lo, s.count_hi),
-            self,
-            (data, head, fill, lo, hi),
-        )
+        counters = jnp.stack([head.astype(jnp.uint32), fill.astype(jnp.uint32), lo, hi])
+        storage = eqx.tree_at(lambda s: (s.data, s.counters), self, (data, counters))
         return storage, Appended(keep, start.astype(jnp.int32), batch)
 
     def count_mod(self, modulus: int) -> IntScalar:

@@ -73,10 +73,8 @@ def shard_rows(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
                     f"{axis_name!r}; use a multiple of {devices} rows."
                 )
             data = jax.device_put(node.data, split)
-            rest = jax.device_put((node.head, node.fill, node.count_lo, node.count_hi), whole)
-            return eqx.tree_at(
-                lambda s: (s.data, s.head, s.fill, s.count_lo, s.count_hi), node, (data, *rest)
-            )
+            counters = jax.device_put(node.counters, whole)
+            return eqx.tree_at(lambda s: (s.data, s.counters), node, (data, counters))
         if eqx.is_array(node):
             return jax.device_put(node, whole)
         return node

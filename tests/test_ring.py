@@ -47,8 +47,8 @@ def test_write_longer_than_ring(t):
 
 def test_count_carries_into_high_word():
     s = _storage(rows=1, length=4).write(_steps(1, 4))
-    near = jnp.array(2**32 - 2, jnp.uint32)
-    s = eqx.tree_at(lambda s: (s.count_lo, s.head), s, (near, jnp.array(near % 4, jnp.int32)))
+    near = 2**32 - 2
+    s = s.with_counters(steps_added=near, head=near % 4)
     s = s.write(_steps(1, 3))
     assert (int(s.count_hi), int(s.count_lo)) == (1, 1)
     assert s.steps_added() == 2**32 + 1
@@ -57,7 +57,7 @@ def test_count_carries_into_high_word():
 
 def test_count_carries_under_jit():
     s = _storage(rows=1, length=4)
-    s = eqx.tree_at(lambda s: s.count_lo, s, jnp.array(2**32 - 1, jnp.uint32))
+    s = s.with_counters(steps_added=2**32 - 1)
     s = eqx.filter_jit(lambda s, b: s.write(b))(s, _steps(1, 1))
     assert s.steps_added() == 2**32
 
@@ -71,8 +71,7 @@ def test_count_carries_under_jit():
 )
 def test_count_mod_is_exact(total, modulus):
     s = _storage(rows=1, length=4)
-    lo, hi = jnp.array(total % 2**32, jnp.uint32), jnp.array(total >> 32, jnp.uint32)
-    s = eqx.tree_at(lambda s: (s.count_lo, s.count_hi), s, (lo, hi))
+    s = s.with_counters(steps_added=total)
     assert s.steps_added() == total
     assert int(s.count_mod(modulus)) == total % modulus
 
@@ -88,3 +87,15 @@ def test_leaves_are_separate_allocations():
     leaves = jax.tree.leaves(s)
     ptrs = [x.unsafe_buffer_pointer() for x in leaves]
     assert len(set(ptrs)) == len(ptrs)
+
+
+def test_with_counters_refuses_values_the_ring_cannot_hold():
+    s = _storage(rows=1, length=4)
+    with pytest.raises(ValueError, match=r"with_counters\(\): head=4 is not a slot of length=4"):
+        s.with_counters(head=4)
+    with pytest.raises(ValueError, match=r"with_counters\(\): fill=5 is not in \[0, length=4\]"):
+        s.with_counters(fill=5)
+    with pytest.raises(ValueError, match=r"steps_added=-1 is not in \[0, 2\*\*64\)"):
+        s.with_counters(steps_added=-1)
+    kept = s.write(_steps(1, 3)).with_counters(fill=2)
+    assert (int(kept.head), int(kept.fill), kept.steps_added()) == (3, 2, 3)

@@ -18,7 +18,7 @@ from zarr.abc.store import Store
 from .._checks import check_positive_int
 from .._ring import RingStorage
 from ._chunks import Chunks, direct_io, EMPTY, LeafIO, Shards
-from ._format import ATTR, Commit, Layout, schema_diff, schema_of, storage_of, TWO_32
+from ._format import ATTR, Commit, Layout, schema_diff, schema_of, storage_of
 from ._store import Objects, read_json, run_all
 
 
@@ -70,17 +70,8 @@ def ring_holding(storage: RingStorage, data: list[np.ndarray], total: int) -> Ri
         ring = np.zeros(stored.shape, stored.dtype)
         ring[:, slots] = np.asarray(d, stored.dtype)
         new.append(jnp.asarray(ring))
-    return eqx.tree_at(
-        lambda s: (s.data, s.head, s.fill, s.count_lo, s.count_hi),
-        storage,
-        (
-            jax.tree.unflatten(treedef, new),
-            jnp.array(head, jnp.int32),
-            jnp.array(k, jnp.int32),
-            jnp.array(total % TWO_32, jnp.uint32),
-            jnp.array(total // TWO_32, jnp.uint32),
-        ),
-    )
+    filled = eqx.tree_at(lambda s: s.data, storage, jax.tree.unflatten(treedef, new))
+    return filled.with_counters(head=head, fill=k, steps_added=total)
 
 
 class Reader:

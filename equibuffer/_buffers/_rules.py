@@ -451,6 +451,11 @@ class Uniform(AbstractUniformRule):
         return Drawn(eqx.error_if(indices, ~ready, not_ready), steps)
 
 
+# The one `Uniform` rule: it has no state, so every buffer may share it (and `_with` sees
+# `added` return the very rule it holds).
+UNIFORM = Uniform()
+
+
 # Uniform episode leaves hold 0 or 1 and every node an integer count, exact in float32 up to
 # 2**24.
 MAX_COUNTED = 1 << 24

@@ -365,7 +365,11 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=None, help="total steps per buffer")
     parser.add_argument("--steps", type=int, default=16, help="T of the multi-step add")
     parser.add_argument(
-        "--jax-jit", action="store_true", help="also time equibuffer under plain jax.jit"
+        "--jax-jit",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time equibuffer under plain jax.jit (the docs' spelling for one call per "
+        "step from Python; on by default)",
     )
     parser.add_argument("--only", choices=("ops", "capacity"), default=None)
     parser.add_argument("--json", default=None, help="write the raw figures to this file")

@@ -145,3 +145,61 @@ def test_vmapped_training_run_with_can_sample_cond():
     assert learned.shape == (4, 6)
     np.testing.assert_array_equal(learned[:, :2], -1)  # steps 0, 1: too few steps, skipped
     assert np.all(np.asarray(learned[:, 2:]) >= 0)
+
+
+def _every_kind():
+    """One buffer of every kind, each with a batch it takes."""
+    ex = {"obs": jnp.zeros(3), "reward": jnp.float32(0), "terminated": jnp.bool_(False)}
+    step = {"obs": jnp.ones((4, 3)), "reward": jnp.ones(4), "terminated": jnp.zeros(4, bool)}
+    nstep = dict(n_step=2, discount=0.9, truncated=None)
+    kinds = {
+        "trajectory": eb.TrajectoryBuffer(ex, add_batch_size=4, capacity=64, sequence_length=2),
+        "transition": eb.TransitionBuffer(ex, add_batch_size=4, capacity=64),
+        "nstep": eb.TransitionBuffer(ex, add_batch_size=4, capacity=64, **nstep),
+        "episodic transition": eb.TransitionBuffer(
+            ex, add_batch_size=4, capacity=64, episode_end="terminated"
+        ),
+        "item": eb.ItemBuffer(ex, add_batch_size=4, capacity=64),
+        "episode trajectory": eb.EpisodeTrajectoryBuffer(
+            ex, add_batch_size=4, capacity=64, sequence_length=2, episode_end="terminated"
+        ),
+        "prioritised trajectory": eb.PrioritisedTrajectoryBuffer(
+            ex, add_batch_size=4, capacity=64, sequence_length=2
+        ),
+        "prioritised transition": eb.PrioritisedTransitionBuffer(ex, add_batch_size=4, capacity=64),
+        "prioritised item": eb.PrioritisedItemBuffer(ex, add_batch_size=4, capacity=64),
+        "prioritised episode": eb.PrioritisedEpisodeTrajectoryBuffer(
+            ex, add_batch_size=4, capacity=64, sequence_length=2, episode_end="terminated"
+        ),
+        "clustered": eb.ClusteredBuffer(
+            ex,
+            add_batch_size=4,
+            num_clusters=2,
+            cluster_capacity=16,
+            cluster_fn=lambda s: s["terminated"].astype(jnp.int32),
+        ),  # fmt: skip
+    }
+    return [(name, buffer, step) for name, buffer in kinds.items()]
+
+
+@pytest.mark.parametrize("name,buffer,step", _every_kind(), ids=[k[0] for k in _every_kind()])
+def test_every_buffer_steps_under_plain_jax_jit(name, buffer, step):
+    """The faster spelling the docs give for one call per step from Python: every buffer is
+    a valid `jax.jit` argument (all its leaves arrays), donated, and compiles once."""
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(buffer))
+    add = jax.jit(eqx.debug.assert_max_traces(lambda b, x: b.add(x), max_traces=1),
+                  donate_argnums=0)  # fmt: skip
+    sample = jax.jit(eqx.debug.assert_max_traces(lambda b, k: b.sample(k, 8), max_traces=1))
+    for _ in range(5):
+        old = buffer
+        buffer = add(buffer, step)
+        # Donated: the stored steps are written in place (a leaf the add sets to a constant,
+        # such as the clustered buffer's `added` flag, need not be reused).
+        assert all(x.is_deleted() for x in jax.tree.leaves(old.storage.data))
+    drawn = sample(buffer, jax.random.key(0))
+    assert int(buffer.steps_added()) == 5
+    assert jax.tree.leaves(drawn.experience)[0].shape[0] == 8
+    if isinstance(buffer, eb.AbstractPrioritisedSource):
+        update = jax.jit(lambda b, s: b.set_priorities(s, jnp.full(8, 2.0)), donate_argnums=0)
+        buffer = update(buffer, drawn)
+        assert jax.tree.leaves(sample(buffer, jax.random.key(1)).experience)[0].shape[0] == 8

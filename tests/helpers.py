@@ -2,6 +2,8 @@
 
 import collections
 import os
+import subprocess
+import sys
 
 import numpy as np
 import scipy.stats
@@ -94,3 +96,18 @@ class CountedMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         count_sequence(type(self).__name__)
+
+
+def run_on_host_devices(script: str, devices: int, timeout: float, **env: str):
+    """Run the Python `script` in a fresh process with `devices` emulated CPU devices (the test
+    process has one) and return the `subprocess.CompletedProcess`. The script prints what it
+    checked; a hang becomes `subprocess.TimeoutExpired` rather than a stuck suite."""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_PLATFORMS": "cpu",  # host devices, also on a machine with an accelerator
+        **env,
+    }
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout
+    )

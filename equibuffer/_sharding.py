@@ -6,6 +6,8 @@ import equinox as eqx
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from ._buffers._rules import EpisodeEnds, PrioritisedEpisodic
+from ._cluster import ClusterStorage
 from ._ring import RingStorage
 
 
@@ -15,7 +17,9 @@ _Tree = TypeVar("_Tree")
 def shard_rows(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
     """Return `tree` (a buffer, or any pytree holding buffers, such as a training state) with
     the stored steps of every [`equibuffer.RingStorage`][] in it split along their rows over
-    the mesh axis `axis_name`, and every other array (counters, sum trees, parameters)
+    the mesh axis `axis_name`, the items of every clustered buffer
+    ([`equibuffer.ClusteredBuffer`][], [`equibuffer.PrioritisedClusteredBuffer`][]) split
+    along the slots of each cluster, and every other array (counters, sum trees, parameters)
     replicated over the mesh.
 
     Each device then holds its own rows (typically its own environments), `add` of a batch
@@ -29,7 +33,8 @@ def shard_rows(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
     - `mesh`: a `jax.sharding.Mesh` whose axis `axis_name` is of type `AxisType.Auto` (the
         sampling gathers let XLA choose how to combine the shards).
     - `axis_name`: the mesh axis the rows are split over; its size must divide every
-        storage's `rows` (the buffer's `add_batch_size`).
+        storage's `rows` (the buffer's `add_batch_size`) and every clustered buffer's
+        `cluster_capacity`.
 
     **Returns:**
 
@@ -77,9 +82,32 @@ def shard_rows(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
             return eqx.tree_at(
                 lambda s: (s.data, s.head, s.fill, s.count_lo, s.count_hi), node, (data, *rest)
             )
+        if isinstance(node, EpisodeEnds | PrioritisedEpisodic):
+            # Their `(rows, length)` flags (episode ends, valid windows) go with the rows.
+            rows = node.ends if isinstance(node, EpisodeEnds) else node.valid
+            placed = jax.tree.map(place, node, is_leaf=lambda x: x is not node and is_leaf(x))
+            flags = jax.device_put(rows, split)
+            if isinstance(node, EpisodeEnds):
+                return eqx.tree_at(lambda e: e.ends, placed, flags)
+            return eqx.tree_at(lambda r: r.valid, placed, flags)
+        if isinstance(node, ClusterStorage):
+            if node.cluster_capacity % devices:
+                raise ValueError(
+                    f"{where}: a clustered buffer of cluster_capacity={node.cluster_capacity} "
+                    f"cannot split every cluster's slots evenly over the {devices} devices of "
+                    f"mesh axis {axis_name!r}; use a multiple of {devices}."
+                )
+            slots = NamedSharding(mesh, PartitionSpec(None, axis_name))
+            data = jax.device_put(node.data, slots)
+            rest = jax.device_put((node.head, node.fill, node.count, node.added), whole)
+            return eqx.tree_at(
+                lambda s: (s.data, s.head, s.fill, s.count, s.added), node, (data, *rest)
+            )
         if eqx.is_array(node):
             return jax.device_put(node, whole)
         return node
 
-    is_leaf = lambda x: isinstance(x, RingStorage)  # noqa: E731
+    is_leaf = lambda x: isinstance(  # noqa: E731
+        x, RingStorage | ClusterStorage | EpisodeEnds | PrioritisedEpisodic
+    )
     return jax.tree.map(place, tree, is_leaf=is_leaf)

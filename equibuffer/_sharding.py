@@ -1,6 +1,7 @@
 """Placing a buffer on several devices: the rows axis of its storage split over a mesh axis."""
 
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
@@ -69,45 +70,43 @@ def shard_rows(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
     split = NamedSharding(mesh, PartitionSpec(axis_name))
     whole = NamedSharding(mesh, PartitionSpec())
 
+    slots = NamedSharding(mesh, PartitionSpec(None, axis_name))
+    # Each kind of node: the part of it that is split, and how; the rest is replicated.
+    parts: dict[type, tuple[Callable[[Any], Any], NamedSharding]] = {
+        RingStorage: (lambda s: s.data, split),
+        ClusterStorage: (lambda s: s.data, slots),
+        # The `(rows, length)` flags of the episode rules (episode ends, valid windows).
+        EpisodeEnds: (lambda e: e.ends, split),
+        PrioritisedEpisodic: (lambda r: r.valid, split),
+    }
+
     def place(node: object) -> object:
-        if isinstance(node, RingStorage):
-            if node.rows % devices:
-                raise ValueError(
-                    f"{where}: a storage of rows={node.rows} (the buffer's add_batch_size) "
-                    f"cannot be split evenly over the {devices} devices of mesh axis "
-                    f"{axis_name!r}; use a multiple of {devices} rows."
-                )
-            data = jax.device_put(node.data, split)
-            rest = jax.device_put((node.head, node.fill, node.count_lo, node.count_hi), whole)
-            return eqx.tree_at(
-                lambda s: (s.data, s.head, s.fill, s.count_lo, s.count_hi), node, (data, *rest)
+        if isinstance(node, RingStorage) and node.rows % devices:
+            raise ValueError(
+                f"{where}: a storage of rows={node.rows} (the buffer's add_batch_size) "
+                f"cannot be split evenly over the {devices} devices of mesh axis "
+                f"{axis_name!r}; use a multiple of {devices} rows."
             )
-        if isinstance(node, EpisodeEnds | PrioritisedEpisodic):
-            # Their `(rows, length)` flags (episode ends, valid windows) go with the rows.
-            rows = node.ends if isinstance(node, EpisodeEnds) else node.valid
-            placed = jax.tree.map(place, node, is_leaf=lambda x: x is not node and is_leaf(x))
-            flags = jax.device_put(rows, split)
-            if isinstance(node, EpisodeEnds):
-                return eqx.tree_at(lambda e: e.ends, placed, flags)
-            return eqx.tree_at(lambda r: r.valid, placed, flags)
-        if isinstance(node, ClusterStorage):
-            if node.cluster_capacity % devices:
-                raise ValueError(
-                    f"{where}: a clustered buffer of cluster_capacity={node.cluster_capacity} "
-                    f"cannot split every cluster's slots evenly over the {devices} devices of "
-                    f"mesh axis {axis_name!r}; use a multiple of {devices}."
-                )
-            slots = NamedSharding(mesh, PartitionSpec(None, axis_name))
-            data = jax.device_put(node.data, slots)
-            rest = jax.device_put((node.head, node.fill, node.count, node.added), whole)
-            return eqx.tree_at(
-                lambda s: (s.data, s.head, s.fill, s.count, s.added), node, (data, *rest)
+        if isinstance(node, ClusterStorage) and node.cluster_capacity % devices:
+            raise ValueError(
+                f"{where}: a clustered buffer of cluster_capacity={node.cluster_capacity} "
+                f"cannot split every cluster's slots evenly over the {devices} devices of "
+                f"mesh axis {axis_name!r}; use a multiple of {devices}."
             )
+        for kind, (part, sharding) in parts.items():
+            if isinstance(node, kind):
+                return place_split(node, part(node), sharding)
         if eqx.is_array(node):
             return jax.device_put(node, whole)
         return node
 
-    is_leaf = lambda x: isinstance(  # noqa: E731
-        x, RingStorage | ClusterStorage | EpisodeEnds | PrioritisedEpisodic
-    )
+    def place_split(node: object, part: object, sharding: NamedSharding) -> object:
+        split_ids = {id(leaf) for leaf in jax.tree.leaves(part)}
+
+        def inner(x: object) -> object:
+            return jax.device_put(x, sharding) if id(x) in split_ids else place(x)
+
+        return jax.tree.map(inner, node, is_leaf=lambda x: x is not node and is_leaf(x))
+
+    is_leaf = lambda x: isinstance(x, tuple(parts))  # noqa: E731
     return jax.tree.map(place, tree, is_leaf=is_leaf)

@@ -1,6 +1,7 @@
 """Small shared helpers for the tests."""
 
 import collections
+import json
 import os
 import subprocess
 import sys
@@ -111,3 +112,19 @@ def run_on_host_devices(script: str, devices: int, timeout: float, **env: str):
     return subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout
     )
+
+
+def json_lines_on_host_devices(script: str, devices: int, timeout: float, key: str) -> dict:
+    """`run_on_host_devices`, for a script that prints one JSON object per case as it finishes:
+    `{"cases": {obj[key]: obj}, "stderr": ...}`. A hang keeps the cases printed before it."""
+    try:
+        out = run_on_host_devices(script, devices, timeout)
+        stdout, stderr = out.stdout, out.stderr
+    except subprocess.TimeoutExpired as e:
+        stdout, stderr = (e.stdout or b"").decode(), "timed out"
+    cases = {}
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            case = json.loads(line)
+            cases[case[key]] = case
+    return {"cases": cases, "stderr": stderr[-3000:]}

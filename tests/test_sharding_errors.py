@@ -5,9 +5,7 @@ Run in one subprocess with eight host CPU devices (the test process has one), wh
 line per case as it finishes; a hang fails the cases not yet printed instead of blocking the
 suite."""
 
-import json
 import re
-import subprocess
 import textwrap
 
 import equinox as eqx
@@ -18,7 +16,7 @@ import pytest
 
 from equibuffer._errors import error_if
 
-from .helpers import run_on_host_devices
+from .helpers import json_lines_on_host_devices, run_on_host_devices
 
 
 SCRIPT = textwrap.dedent(
@@ -189,17 +187,7 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    try:
-        out = run_on_host_devices(SCRIPT, 8, timeout=240)
-        stdout, stderr = out.stdout, out.stderr
-    except subprocess.TimeoutExpired as e:  # a hang: the cases printed before it still count
-        stdout, stderr = (e.stdout or b"").decode(), "timed out"
-    cases = {}
-    for line in stdout.splitlines():
-        if line.startswith("{"):
-            case = json.loads(line)
-            cases[case["case"]] = case
-    return {"cases": cases, "stderr": stderr[-3000:]}
+    return json_lines_on_host_devices(SCRIPT, 8, timeout=240, key="case")
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

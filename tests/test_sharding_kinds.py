@@ -5,13 +5,11 @@ sample move no stored experience between devices (no collective of storage size)
 Run in one subprocess with eight host CPU devices (the test process has one); it prints one
 line per kind as it finishes."""
 
-import json
-import subprocess
 import textwrap
 
 import pytest
 
-from .helpers import run_on_host_devices
+from .helpers import json_lines_on_host_devices
 
 
 SCRIPT = textwrap.dedent(
@@ -153,22 +151,12 @@ KINDS = [
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    try:
-        out = run_on_host_devices(SCRIPT, 8, timeout=400)
-        stdout, stderr = out.stdout, out.stderr
-    except subprocess.TimeoutExpired as e:
-        stdout, stderr = (e.stdout or b"").decode(), "timed out"
-    kinds = {}
-    for line in stdout.splitlines():
-        if line.startswith("{"):
-            kind = json.loads(line)
-            kinds[kind["kind"]] = kind
-    return {"kinds": kinds, "stderr": stderr[-3000:]}
+    return json_lines_on_host_devices(SCRIPT, 8, timeout=400, key="kind")
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_kind_on_a_mesh_matches_one_device_and_moves_no_storage(results, kind):
-    got = results["kinds"].get(kind)
+    got = results["cases"].get(kind)
     assert got is not None, f"the kind did not finish (hang or abort): {results['stderr']}"
     assert "error" not in got, got["error"]
     # Only scalars and (batch, ...) results cross devices: no collective of an add is larger
@@ -180,7 +168,7 @@ def test_kind_on_a_mesh_matches_one_device_and_moves_no_storage(results, kind):
 
 
 def test_cluster_capacity_must_split_evenly(results):
-    assert results["kinds"]["uneven_clusters"]["error"] == (
+    assert results["cases"]["uneven_clusters"]["error"] == (
         "shard_rows(): a clustered buffer of cluster_capacity=12 cannot split every cluster's "
         "slots evenly over the 8 devices of mesh axis 'envs'; use a multiple of 8."
     )

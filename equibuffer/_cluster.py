@@ -28,6 +28,7 @@ from ._buffers._rules import (
 from ._buffers._samples import PrioritisedSample, Sample
 from ._checks import check_positive_int, refuse_flashbax_only
 from ._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar, StepCount, Steps
+from ._errors import branched_error_if, error_if
 from ._protocol import AbstractPrioritisedSource, AbstractReplayBuffer
 from ._ring import check_batch, RingStorage
 from ._sumtree import SumTree
@@ -163,7 +164,7 @@ class ClusterStorage(eqx.Module):
         items = jax.tree.map(flatten, batch)
         k, cap = self.num_clusters, self.cluster_capacity
         ids = jax.vmap(cluster_fn)(items).astype(jnp.int32)
-        ids = eqx.error_if(
+        ids = error_if(
             ids,
             jnp.any((ids < 0) | (ids >= k)),
             f"{where}: `cluster_fn` returned a cluster id outside [0, num_clusters={k}).",
@@ -251,7 +252,7 @@ class UniformInCluster(AbstractClusterRule):
         w = jnp.where(storage.fill > 0, shares, 0.0)
         key_c, key_i = jax.random.split(key)
         cluster = cluster_draw(key_c, w, batch_size)
-        cluster = eqx.error_if(cluster, ~(jnp.sum(w) > 0), _nothing_held(where))
+        cluster = error_if(cluster, ~(jnp.sum(w) > 0), _nothing_held(where))
         fill = storage.fill[cluster]
         u = jax.random.uniform(key_i, (batch_size,), jnp.float32)
         j = jnp.minimum((u * fill.astype(jnp.float32)).astype(jnp.int32), fill - 1)
@@ -315,7 +316,7 @@ class PrioritisedInCluster(AbstractClusterRule):
         leaf = jnp.take_along_axis(leaves, pick, axis=0)[0]
         slot, leaf = jax.lax.optimization_barrier((slot, leaf))
         failure = jnp.where(jnp.sum(held) > 0, jnp.where(jnp.sum(w) > 0, 2, 1), 0)
-        cluster = eqx.branched_error_if(
+        cluster = branched_error_if(
             cluster,
             (failure < 2) | (beta < 0) | ~jnp.isfinite(beta),
             failure,

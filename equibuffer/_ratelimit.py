@@ -13,6 +13,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 from ._buffers._base import Sample
 from ._checks import check_positive_int, refuse_flashbax_only
 from ._custom_types import BoolScalar, ExperienceBatch, StepCount
+from ._errors import error_if
 from ._protocol import AbstractPrioritisedSource, AbstractReplayBuffer
 
 
@@ -327,7 +328,7 @@ class RateLimited(eqx.Module):
         carry = total >= 1
         new_fraction = jnp.where(carry, total - np.float32(1), total)
         new_whole = self.credit_whole + jnp.where(counted, whole, 0) + carry.astype(jnp.int32)
-        new_whole = eqx.error_if(
+        new_whole = error_if(
             new_whole,
             new_whole > _GUARD,
             f"{where}: the rate limiter's credit passed 2**30 windows: the loop keeps adding "
@@ -376,7 +377,7 @@ class RateLimited(eqx.Module):
         where = f"{type(self).__name__}.sample()"
         batch_size = self._batch_size(where, batch_size)
         sample = self.buffer.sample(key, batch_size, **kwargs)
-        new_whole = eqx.error_if(
+        new_whole = error_if(
             self.credit_whole - batch_size,
             self.credit_whole - batch_size < -_GUARD,
             f"{where}: the rate limiter's credit fell below -2**30 windows: the loop keeps "

@@ -10,6 +10,7 @@ from jaxtyping import Array, Int, PyTree, Shaped, UInt32
 
 from ._checks import as_example_leaf, check_dtype, check_positive_int, check_structure, keystr
 from ._custom_types import Count, ExampleTree, ExperienceBatch, IntScalar, StepCount
+from ._errors import error_if
 
 
 _TWO_32 = 1 << 32
@@ -182,7 +183,7 @@ class RingStorage(eqx.Module):
         if jax.config.read("jax_enable_x64"):
             hi = self.count_hi.astype(jnp.uint64)
             return hi * jnp.uint64(_TWO_32) + self.count_lo.astype(jnp.uint64)
-        return eqx.error_if(
+        return error_if(
             self.count_lo,
             self.count_hi > 0,
             "the count of steps added per row is 2**32 or more, more than a uint32 holds: "

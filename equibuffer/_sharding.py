@@ -1,11 +1,14 @@
 """Placing a buffer on several devices: the rows axis of its storage split over a mesh axis."""
 
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from ._buffers._rules import EpisodeEnds, PrioritisedEpisodic
+from ._cluster import ClusterStorage
 from ._ring import RingStorage
 
 
@@ -15,7 +18,9 @@ _Tree = TypeVar("_Tree")
 def shard_rows(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
     """Return `tree` (a buffer, or any pytree holding buffers, such as a training state) with
     the stored steps of every [`equibuffer.RingStorage`][] in it split along their rows over
-    the mesh axis `axis_name`, and every other array (counters, sum trees, parameters)
+    the mesh axis `axis_name`, the items of every clustered buffer
+    ([`equibuffer.ClusteredBuffer`][], [`equibuffer.PrioritisedClusteredBuffer`][]) split
+    along the slots of each cluster, and every other array (counters, sum trees, parameters)
     replicated over the mesh.
 
     Each device then holds its own rows (typically its own environments), `add` of a batch
@@ -29,7 +34,8 @@ def shard_rows(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
     - `mesh`: a `jax.sharding.Mesh` whose axis `axis_name` is of type `AxisType.Auto` (the
         sampling gathers let XLA choose how to combine the shards).
     - `axis_name`: the mesh axis the rows are split over; its size must divide every
-        storage's `rows` (the buffer's `add_batch_size`).
+        storage's `rows` (the buffer's `add_batch_size`) and every clustered buffer's
+        `cluster_capacity`.
 
     **Returns:**
 
@@ -64,20 +70,43 @@ def shard_rows(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
     split = NamedSharding(mesh, PartitionSpec(axis_name))
     whole = NamedSharding(mesh, PartitionSpec())
 
+    slots = NamedSharding(mesh, PartitionSpec(None, axis_name))
+    # Each kind of node: the part of it that is split, and how; the rest is replicated.
+    parts: dict[type, tuple[Callable[[Any], Any], NamedSharding]] = {
+        RingStorage: (lambda s: s.data, split),
+        ClusterStorage: (lambda s: s.data, slots),
+        # The `(rows, length)` flags of the episode rules (episode ends, valid windows).
+        EpisodeEnds: (lambda e: e.ends, split),
+        PrioritisedEpisodic: (lambda r: r.valid, split),
+    }
+
     def place(node: object) -> object:
-        if isinstance(node, RingStorage):
-            if node.rows % devices:
-                raise ValueError(
-                    f"{where}: a storage of rows={node.rows} (the buffer's add_batch_size) "
-                    f"cannot be split evenly over the {devices} devices of mesh axis "
-                    f"{axis_name!r}; use a multiple of {devices} rows."
-                )
-            data = jax.device_put(node.data, split)
-            counters = jax.device_put(node.counters, whole)
-            return eqx.tree_at(lambda s: (s.data, s.counters), node, (data, counters))
+        if isinstance(node, RingStorage) and node.rows % devices:
+            raise ValueError(
+                f"{where}: a storage of rows={node.rows} (the buffer's add_batch_size) "
+                f"cannot be split evenly over the {devices} devices of mesh axis "
+                f"{axis_name!r}; use a multiple of {devices} rows."
+            )
+        if isinstance(node, ClusterStorage) and node.cluster_capacity % devices:
+            raise ValueError(
+                f"{where}: a clustered buffer of cluster_capacity={node.cluster_capacity} "
+                f"cannot split every cluster's slots evenly over the {devices} devices of "
+                f"mesh axis {axis_name!r}; use a multiple of {devices}."
+            )
+        for kind, (part, sharding) in parts.items():
+            if isinstance(node, kind):
+                return place_split(node, part(node), sharding)
         if eqx.is_array(node):
             return jax.device_put(node, whole)
         return node
 
-    is_leaf = lambda x: isinstance(x, RingStorage)  # noqa: E731
+    def place_split(node: object, part: object, sharding: NamedSharding) -> object:
+        split_ids = {id(leaf) for leaf in jax.tree.leaves(part)}
+
+        def inner(x: object) -> object:
+            return jax.device_put(x, sharding) if id(x) in split_ids else place(x)
+
+        return jax.tree.map(inner, node, is_leaf=lambda x: x is not node and is_leaf(x))
+
+    is_leaf = lambda x: isinstance(x, tuple(parts))  # noqa: E731
     return jax.tree.map(place, tree, is_leaf=is_leaf)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from ._checks import check_positive_int
+from ._errors import branched_error_if, error_if
 
 
 # Picked by measurement (`python -m benchmarks.bench_prioritised`, CPU, batch 256, one jitted
@@ -137,7 +138,7 @@ class SumTree(eqx.Module):
             ```
         """
         indices = self._check_indices("SumTree.get()", indices)
-        indices = eqx.error_if(
+        indices = error_if(
             indices, _out_of_range(indices, self.capacity), _index_message("SumTree.get()", self)
         )
         return self.read(jnp.asarray(indices))
@@ -210,7 +211,7 @@ class SumTree(eqx.Module):
                 f"{indices.shape}; give one value per index."
             )
         new = new.astype(jnp.float32)
-        new = eqx.branched_error_if(
+        new = branched_error_if(
             new,
             _out_of_range(indices, self.capacity) | _not_priorities(new),
             jnp.where(_out_of_range(indices, self.capacity), 0, 1),

@@ -1,7 +1,10 @@
 """Small shared helpers for the tests."""
 
 import collections
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import scipy.stats
@@ -94,3 +97,34 @@ class CountedMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         count_sequence(type(self).__name__)
+
+
+def run_on_host_devices(script: str, devices: int, timeout: float, **env: str):
+    """Run the Python `script` in a fresh process with `devices` emulated CPU devices (the test
+    process has one) and return the `subprocess.CompletedProcess`. The script prints what it
+    checked; a hang becomes `subprocess.TimeoutExpired` rather than a stuck suite."""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_PLATFORMS": "cpu",  # host devices, also on a machine with an accelerator
+        **env,
+    }
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+def json_lines_on_host_devices(script: str, devices: int, timeout: float, key: str) -> dict:
+    """`run_on_host_devices`, for a script that prints one JSON object per case as it finishes:
+    `{"cases": {obj[key]: obj}, "stderr": ...}`. A hang keeps the cases printed before it."""
+    try:
+        out = run_on_host_devices(script, devices, timeout)
+        stdout, stderr = out.stdout, out.stderr
+    except subprocess.TimeoutExpired as e:
+        stdout, stderr = (e.stdout or b"").decode(), "timed out"
+    cases = {}
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            case = json.loads(line)
+            cases[case[key]] = case
+    return {"cases": cases, "stderr": stderr[-3000:]}

@@ -7,6 +7,7 @@ from jaxtyping import Array, Int
 
 from .._checks import check_positive_int, refuse_flashbax_only
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar
+from .._errors import error_if
 from .._ring import RingStorage
 from .._windows import gather
 from ._base import AbstractRingHolder, Sample, update_storage, UpdateFn
@@ -211,7 +212,7 @@ class Queue(AbstractRingHolder):
                 f"max_length_time_axis={length}; add fewer steps at a time or raise the size "
                 "(capacity or max_length_time_axis)."
             )
-        unread = eqx.error_if(
+        unread = error_if(
             self.unread + t,
             self.unread + t > length,
             f"Queue.add(): the queue is full: adding {t} steps per row would overwrite unread "
@@ -250,7 +251,7 @@ class Queue(AbstractRingHolder):
         """
         storage, s = self.storage, self.sequence_length
         length = storage.length
-        unread = eqx.error_if(
+        unread = error_if(
             self.unread,
             self.unread < s,
             f"Queue.sample(): the queue holds fewer than sequence_length={s} unread steps per "

@@ -30,6 +30,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree, 
 
 from .._checks import keystr
 from .._custom_types import BoolScalar, Indices, IntScalar, Steps
+from .._errors import branched_error_if, error_if
 from .._ring import Appended, RingStorage
 from .._sumtree import SumTree
 from .._windows import (
@@ -247,7 +248,7 @@ def draw_by_priority(
     total = tree.total()
     failure = jnp.where(total > 0, 3, jnp.where(none_valid, 2, 1))
     failure = jnp.where(~ready, 0, failure)
-    indices = eqx.branched_error_if(
+    indices = branched_error_if(
         indices,
         (failure < 3) | (beta < 0) | ~jnp.isfinite(beta),
         failure,
@@ -312,7 +313,7 @@ def check_priority_update(
     new = new.astype(jnp.float32)
     indices = indices.astype(jnp.int32)
     out_of_range = jnp.any((indices < 0) | (indices >= capacity))
-    new = eqx.branched_error_if(
+    new = branched_error_if(
         new,
         out_of_range | jnp.any((new < 0) | ~jnp.isfinite(new)),
         jnp.where(out_of_range, 0, 1),
@@ -448,7 +449,7 @@ class Uniform(AbstractUniformRule):
         where: str,
     ) -> Drawn:
         indices, steps = uniform_windows(storage, key, batch_size, window.length, window.period)
-        return Drawn(eqx.error_if(indices, ~ready, not_ready), steps)
+        return Drawn(error_if(indices, ~ready, not_ready), steps)
 
 
 # The one `Uniform` rule: it has no state, so every buffer may share it (and `_with` sees
@@ -507,7 +508,7 @@ class Episodic(AbstractUniformRule):
         rank = jax.random.randint(key, (batch_size,), 0, jnp.maximum(total, 1), dtype=jnp.int32)
         # Integer prefixes and integer node sums are exact in float32 below 2**24.
         indices = self.tree.find(rank.astype(jnp.float32))
-        indices = eqx.branched_error_if(
+        indices = branched_error_if(
             indices,
             ~ready | (total == 0),
             jnp.where(ready, 1, 0),

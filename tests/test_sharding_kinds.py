@@ -1,0 +1,174 @@
+"""Every kind of buffer sharded over 8 devices (`shard_rows`): a donated jitted step adds and
+samples, keeps the placement and gives the one-device results; and the compiled add and
+sample move no stored experience between devices (no collective of storage size).
+
+Run in one subprocess with eight host CPU devices (the test process has one); it prints one
+line per kind as it finishes."""
+
+import textwrap
+
+import pytest
+
+from .helpers import json_lines_on_host_devices
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, re
+    import equinox as eqx, jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    import equibuffer as eb
+
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    n = 8
+    mesh = jax.make_mesh((n,), ("envs",), axis_types=(AxisType.Auto,))
+    R, L, B = 16, 512, 8  # rows, steps per row, batch: a sample is far smaller than a shard
+    ex = {"obs": jnp.zeros(4), "reward": jnp.float32(0), "terminated": jnp.bool_(False),
+          "truncated": jnp.bool_(False)}
+
+    def batch(i, t=4):
+        obs = jnp.arange(R * t * 4, dtype=jnp.float32).reshape(R, t, 4) + 1000 * i
+        ends = (jnp.arange(R * t).reshape(R, t) + i) % 5 == 0
+        return {"obs": obs, "reward": obs[..., 0] / 7, "terminated": ends,
+                "truncated": jnp.zeros((R, t), bool)}
+
+    def cluster_of(item):
+        return (item["obs"][0] % 3).astype(jnp.int32)
+
+    size = dict(add_batch_size=R, max_length_time_axis=L)
+    KINDS = {
+        "trajectory": lambda: eb.TrajectoryBuffer(ex, sequence_length=4, **size),
+        "transition": lambda: eb.TransitionBuffer(ex, **size),
+        "item": lambda: eb.ItemBuffer(ex, **size),
+        "prioritised": lambda: eb.PrioritisedTrajectoryBuffer(ex, sequence_length=4, **size),
+        "prioritised_item": lambda: eb.PrioritisedItemBuffer(ex, **size),
+        "episodes": lambda: eb.EpisodeTrajectoryBuffer(
+            ex, sequence_length=3, episode_end="terminated", mode="pad", **size),
+        "prioritised_episodes": lambda: eb.PrioritisedEpisodeTrajectoryBuffer(
+            ex, sequence_length=3, episode_end="terminated", **size),
+        "n_step": lambda: eb.TransitionBuffer(ex, n_step=3, discount=0.9, **size),
+        "queue": lambda: eb.Queue(ex, sequence_length=3, **size),
+        "clustered": lambda: eb.ClusteredBuffer(
+            ex, add_batch_size=R, num_clusters=3, cluster_capacity=L, cluster_fn=cluster_of),
+        "prioritised_clustered": lambda: eb.PrioritisedClusteredBuffer(
+            ex, add_batch_size=R, num_clusters=3, cluster_capacity=L, cluster_fn=cluster_of),
+        "mixer": lambda: eb.Mixer(
+            (eb.TrajectoryBuffer(ex, sequence_length=4, **size),
+             eb.PrioritisedTrajectoryBuffer(ex, sequence_length=4, **size)),
+            (0.25, 0.75)),
+        "rate_limited": lambda: eb.RateLimited(
+            eb.TrajectoryBuffer(ex, sequence_length=4, **size), 4.0, 64.0),
+    }
+
+    def add(buffer, b):
+        if isinstance(buffer, eb.Mixer):  # adds go to its sources
+            added = tuple(x.add(b) for x in buffer.buffers)
+            return eqx.tree_at(lambda m: m.buffers, buffer, added)
+        return buffer.add(b)
+
+    def sample(buffer, key):
+        if isinstance(buffer, eb.Queue):
+            return buffer.sample()
+        if isinstance(buffer, eb.RateLimited):
+            return buffer.sample(key, B)
+        if isinstance(buffer, eb.AbstractPrioritisedSource):
+            s = buffer.sample(key, B, beta=0.5)
+            return buffer.set_priorities(s, s.weights + 1.0), s
+        return buffer, buffer.sample(key, B)
+
+    @eqx.filter_jit(donate="all-except-first")
+    def step(key, buffer, b):
+        return sample(add(buffer, b), key)
+
+    COLLECTIVE = re.compile(
+        r"= (\\(?[^=]*?) (all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)"
+        r"(-start)?\\(")
+    SHAPE = re.compile(r"\\w+\\[([\\d,]*)\\]")
+    found = COLLECTIVE.search("%a = (f32[28,4]{1,0}, s32[]) all-reduce-start(%b), x")
+    assert found and SHAPE.findall(found.group(1)) == ["28,4", ""]
+
+    def moved(fn, *args):
+        # The largest result, in elements, of any collective of the compiled program.
+        arrays, static = eqx.partition(args, eqx.is_array)
+        def raw(arrays):
+            out = fn(*eqx.combine(arrays, static))
+            return eqx.partition(out, eqx.is_array)[0]
+        hlo = jax.jit(raw).lower(arrays).compile().as_text()
+        sizes = [0]
+        for m in COLLECTIVE.finditer(hlo):
+            for dims in SHAPE.findall(m.group(1)):
+                sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
+        return max(sizes)
+
+    def shards(tree):
+        return [l for l in jax.tree.leaves(tree) if l.sharding.spec != P()]
+
+    def check(name, build):
+        one, split = build(), eb.shard_rows(build(), mesh, "envs")
+        stored = shards(split)
+        assert stored, name  # something is split
+        for i in range(4):
+            key = jax.random.key(i)
+            b = batch(i)
+            one, s1 = step(key, one, b)
+            b = jax.device_put(b, NamedSharding(mesh, P("envs")))
+            split, s2 = step(key, split, b)
+            for x, y in zip(jax.tree.leaves((one, s1)), jax.tree.leaves((split, s2))):
+                np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6,
+                                           err_msg=name)
+            kept = [l.sharding for l in shards(split)] == [l.sharding for l in stored]
+            assert kept, (name, [l.sharding.spec for l in jax.tree.leaves(split)],
+                          [l.shape for l in jax.tree.leaves(split)])
+        shard = max(l.size // n for l in shards(split))  # one device's part of a stored leaf
+        b = jax.device_put(batch(9), NamedSharding(mesh, P("envs")))
+        return {"kind": name, "shard": shard, "add": moved(add, split, b),
+                "sample": moved(sample, split, jax.random.key(0)),
+                "batch": max(l.size for l in jax.tree.leaves(b)),
+                "drawn": max(l.size for l in jax.tree.leaves(s2.experience))}
+
+    for name, build in KINDS.items():
+        try:
+            result = check(name, build)
+        except Exception as e:
+            result = {"kind": name, "error": f"{type(e).__name__}: {e}"[:2000]}
+        print(json.dumps(result), flush=True)
+
+    uneven = eb.ClusteredBuffer(ex, add_batch_size=R, num_clusters=3, cluster_capacity=12,
+                                cluster_fn=cluster_of)
+    try:
+        eb.shard_rows(uneven, mesh, "envs")
+    except ValueError as e:
+        print(json.dumps({"kind": "uneven_clusters", "error": str(e)}))
+    """
+)
+
+KINDS = [
+    *("trajectory", "transition", "item", "prioritised", "prioritised_item", "episodes"),
+    *("prioritised_episodes", "n_step", "queue", "clustered", "prioritised_clustered"),
+    *("mixer", "rate_limited"),
+]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return json_lines_on_host_devices(SCRIPT, 8, timeout=400, key="kind")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kind_on_a_mesh_matches_one_device_and_moves_no_storage(results, kind):
+    got = results["cases"].get(kind)
+    assert got is not None, f"the kind did not finish (hang or abort): {results['stderr']}"
+    assert "error" not in got, got["error"]
+    # Only scalars and (batch, ...) results cross devices: no collective of an add is larger
+    # than the batch added (the clustered buffers route its items to the devices holding their
+    # slots), none of a sample larger than the sample; both far from a shard of the storage.
+    assert max(got["batch"], got["drawn"]) < got["shard"], got
+    assert got["add"] <= got["batch"], got
+    assert got["sample"] <= got["drawn"], got
+
+
+def test_cluster_capacity_must_split_evenly(results):
+    assert results["cases"]["uneven_clusters"]["error"] == (
+        "shard_rows(): a clustered buffer of cluster_capacity=12 cannot split every cluster's "
+        "slots evenly over the 8 devices of mesh axis 'envs'; use a multiple of 8."
+    )

@@ -190,3 +190,17 @@ def test_numpy_64_bit_inputs_agree_eager_and_jitted(jitted):
         buffer = eb.TrajectoryBuffer(example, add_batch_size=2, capacity=16, sequence_length=2)
         with pytest.raises(TypeError, match=r"has dtype (float64|int64), expected (float32|int32)"):
             add(buffer, batch)
+
+
+def test_one_device_checks_keep_jits_fast_path():
+    """In a process with one device the checks are Equinox's own (a pure callback): no debug
+    callback, an effect that takes a jitted call off JAX's fast dispatch (6x per call)."""
+    buffer = eb.PrioritisedTransitionBuffer({"x": jnp.zeros(2)}, add_batch_size=1, capacity=8)
+    buffer = buffer.add({"x": jnp.ones((1, 3, 2))})
+    sample = buffer.sample(jax.random.key(0), 4)
+    for fn in (
+        lambda b: b.sample(jax.random.key(0), 4),
+        lambda b: b.set_priorities(sample, jnp.ones(4)),
+    ):
+        jaxpr = jax.make_jaxpr(fn)(buffer)
+        assert "debug_callback" not in str(jaxpr) and not jaxpr.effects

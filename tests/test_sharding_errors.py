@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import equibuffer._errors
 from equibuffer._errors import error_if
 
 from .helpers import json_lines_on_host_devices, run_on_host_devices
@@ -72,7 +73,7 @@ SCRIPT = textwrap.dedent(
         return eqx.tree_at(lambda r: r.credit_whole, limited, jnp.int32(whole))
 
     def count_past_uint32(b):
-        storage = eqx.tree_at(lambda s: s.count_hi, b.storage, jnp.uint32(1))
+        storage = b.storage.with_counters(steps_added=2**32)
         return eqx.tree_at(lambda b: b.storage, b, storage)
 
     item = lambda: eb.ItemBuffer(ex, add_batch_size=R, capacity=8 * R)
@@ -257,7 +258,14 @@ def test_eqx_on_error_off_removes_the_checks_on_a_mesh():
     assert "EquinoxRuntimeError" in out.stderr and "cannot be sampled yet" in out.stderr
 
 
-CHECKS = (eqx.error_if, error_if)  # Equinox's, and the one the buffers use
+CHECKS = (eqx.error_if, error_if)  # Equinox's, and the one the buffers use on several devices
+
+
+@pytest.fixture(autouse=True)
+def _as_on_several_devices(monkeypatch):
+    """This process has one device, where the buffers use Equinox's check as it is; the
+    tests below compare the every-device check with it, so they make it be used here."""
+    monkeypatch.setattr(equibuffer._errors, "several_devices", lambda: True)
 
 
 def _checked(check):

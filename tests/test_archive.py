@@ -1102,3 +1102,49 @@ def test_small_shards_writer_killed_at_random_moments(tmp_path):
 def test_unsharded_writer_killed_at_random_moments(tmp_path):
     """One object per chunk (the layout without shards)."""
     crash_writer_many_times(str(tmp_path / f"crash-{uuid.uuid4().hex}.zarr"), None, 1, 2, 0)
+
+
+def test_long_read_fetches_ahead_and_holds_a_few_shards(tmp_path, monkeypatch):
+    """A long read of a sharded archive fetches whole shards ahead of the decoding (so a cold
+    read keeps the disk busy) and drops each once its rows are decoded: it never holds more
+    than the shards fetched ahead plus those being decoded, whatever its length."""
+    import weakref
+
+    from equibuffer._archive import _chunks, _store
+
+    storage = eb.RingStorage({"x": jnp.zeros(4, jnp.float32)}, rows=2, length=64)
+    archive = Archive(str(tmp_path / "a.zarr"), storage, progress=False, chunk_steps=4,
+                      shard_steps=8)  # fmt: skip
+    total = 0
+    for i in range(8):  # 512 steps per row: 64 shards
+        total += 64
+        block = np.full((2, 64, 4), i, np.float32) + np.arange(64, dtype=np.float32)[:, None]
+        storage = ring_holding(storage, [block], total)
+        archive.write(storage)
+    archive.close()
+
+    class Blob(bytearray):  # bytes that can be watched (weakref) while the read holds them
+        pass
+
+    live: set[int] = set()
+    most = [0]
+    original = _chunks.Shards.get_shard
+
+    def watched(self, shard):
+        got = original(self, shard)
+        if got is None:
+            return None
+        blob = Blob(got[1])
+        live.add(shard)
+        weakref.finalize(blob, live.discard, shard)
+        most[0] = max(most[0], len(live))
+        return got[0], memoryview(blob)
+
+    monkeypatch.setattr(_chunks.Shards, "get_shard", watched)
+    reader = Archive(str(tmp_path / "a.zarr"), mode="r", progress=False)
+    back = reader.read(0, total)
+    assert back["x"].shape == (2, 512, 4)
+    expect = np.arange(512) % 64 + np.repeat(np.arange(8), 64)
+    np.testing.assert_array_equal(back["x"][1, :, 0], expect)
+    bound = _store.READ_AHEAD + _store._THREADS + 1
+    assert 1 < most[0] <= bound, (most[0], bound)  # fetched ahead, and bounded

@@ -19,7 +19,7 @@ from .._checks import check_positive_int
 from .._ring import RingStorage
 from ._chunks import Chunks, direct_io, EMPTY, LeafIO, Shards
 from ._format import ATTR, Commit, Layout, schema_diff, schema_of, storage_of
-from ._store import Objects, read_json, run_all
+from ._store import fetch_pool, Objects, READ_AHEAD, read_json, run_all
 
 
 @dataclasses.dataclass
@@ -245,28 +245,28 @@ class Reader:
         n = self.commit.length
         whole = len(row_ids) == layout.rows
         lock = threading.Lock()
-        cache: dict[tuple[int, int], Any] = {}  # (leaf, shard) -> (index, bytes) or None
+        last = -(-stop // ss) - 1
+        # Whole shards are fetched on their own threads, `READ_AHEAD` shards ahead of the
+        # decoding, so that a cold read keeps the disk busy while the codec works; a shard's
+        # bytes are dropped once each of its rows is decoded (a long read holds a few shards,
+        # not all of them).
+        fetched: dict[tuple[int, int], Any] = {}  # (leaf, shard) -> future, or None: done
+        pending: dict[tuple[int, int], int] = {}  # (leaf, shard) -> rows not yet decoded
 
         def fetch(li: int, s: int) -> Any:
             with lock:
-                if (li, s) not in cache:
-                    cache[(li, s)] = threading.Event()
-                    mine = True
-                else:
-                    mine = False
-                got = cache[(li, s)]
-            if mine:
-                event = got
-                result = shards_of[li].get_shard(s)
-                with lock:
-                    cache[(li, s)] = (result,)
-                event.set()
-                return result
-            if isinstance(got, threading.Event):
-                got.wait()
-                with lock:
-                    got = cache[(li, s)]
-            return got[0]
+                for k in range(s, min(s + READ_AHEAD, last) + 1):
+                    if (li, k) not in fetched:
+                        fetched[(li, k)] = fetch_pool().submit(shards_of[li].get_shard, k)
+                        pending[(li, k)] = len(row_ids)
+                future = fetched[(li, s)]
+            return future.result()
+
+        def decoded(li: int, s: int) -> None:
+            with lock:
+                pending[(li, s)] -= 1
+                if not pending[(li, s)]:
+                    fetched[(li, s)] = None
 
         def get(task: tuple[int, int, int, int]) -> None:
             li, s, i, r = task
@@ -289,6 +289,9 @@ class Reader:
             for c, data in zip(range(cs0, cs1), datas, strict=True):
                 a, b = max(start, c * cs), min(stop, (c + 1) * cs)
                 shards.decode_into(data, out[i, a - start : b - start], a - c * cs)
+            if whole:
+                del datas
+                decoded(li, s)
 
         tasks = [
             (li, s, i, r)

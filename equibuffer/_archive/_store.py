@@ -504,6 +504,20 @@ def io_pool() -> concurrent.futures.ThreadPoolExecutor:
     return _POOL
 
 
+# Shards a long read fetches ahead of its decoding (each about 16 MiB), on threads of their own:
+# a fetch waited on by a decoding thread must never queue behind decoding work.
+READ_AHEAD = 3
+_FETCH_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def fetch_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads that read whole objects ahead of the I/O threads' decoding."""
+    global _FETCH_POOL
+    if _FETCH_POOL is None:
+        _FETCH_POOL = concurrent.futures.ThreadPoolExecutor(READ_AHEAD, "equibuffer-fetch")
+    return _FETCH_POOL
+
+
 def run_all(work: Callable[[Any], Any], tasks: Iterable[Any], inline: bool = False) -> Iterable:
     """`work` over `tasks` on the I/O threads (in this thread when `inline`), results in
     order."""

@@ -12,8 +12,12 @@ compression ratio (and speed) of each codec on realistic, compressible frames.
     python -m benchmarks.bench_archive --zarr-path --steps 65536   # own I/O against zarr's path
     python -m benchmarks.bench_archive --against /tmp/old --repeats 8   # against another version
 
-Page caches are not dropped (no root needed): reads may be served from memory, for the disk
-figure and for both libraries alike. Timings are noisy on a shared machine; compare ratios.
+Page caches are kept unless `--cold` (each file dropped with `posix_fadvise` before a timed
+read, no root needed): reads may be served from memory, for the disk figure and for both
+libraries alike. `--data random` writes incompressible steps instead of frames. Timings are
+noisy on a shared machine; compare ratios.
+
+    python -m benchmarks.bench_archive --data random --cold --codecs zstd,none   # issue 17
 """
 
 import argparse
@@ -62,10 +66,39 @@ def frames(rows: int, steps: int, seed: int) -> np.ndarray:
     return out
 
 
+DATA = "frames"  # or "random": incompressible steps (--data)
+COLD = False  # evict the files from the page cache before each timed read (--cold)
+
+
 def observations(dtype: str, block: int) -> np.ndarray:
-    """`frames` of `ROWS` rows and `block` steps, as uint8 or as float32 in [0, 1]."""
+    """`frames` of `ROWS` rows and `block` steps, as uint8 or as float32 in [0, 1]; with
+    `--data random`, incompressible steps instead: uniform random uint8 frames, or float32
+    standard normal noise (what no codec shrinks: the archive's cost on such data is its own
+    I/O and the codec's pass over the bytes)."""
+    if DATA == "random":
+        rng = np.random.default_rng(1)
+        if dtype == "uint8":
+            return rng.integers(0, 256, (ROWS, block, *SHAPE), dtype=np.uint8)
+        return rng.standard_normal((ROWS, block, *SHAPE), dtype=np.float32)
     source = frames(ROWS, block, seed=1)
     return source if dtype == "uint8" else (source / 255).astype(np.float32)
+
+
+def evict(path: str) -> None:
+    """With `--cold`: flush, then drop the files under `path` from the page cache
+    (`posix_fadvise(DONTNEED)`: no root needed), so that the next read comes from the disk."""
+    if not COLD:
+        return
+    os.sync()
+    paths = [path] if os.path.isfile(path) else [
+        os.path.join(d, f) for d, _, files in os.walk(path) for f in files
+    ]  # fmt: skip
+    for name in paths:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def disk_bandwidth(folder: str, nbytes: int) -> tuple[float, float]:
@@ -77,6 +110,7 @@ def disk_bandwidth(folder: str, nbytes: int) -> tuple[float, float]:
         f.flush()
         os.fsync(f.fileno())
     w = nbytes / (time.perf_counter() - t0)
+    evict(path)
     t0 = time.perf_counter()
     np.fromfile(path, np.uint8)
     r = nbytes / (time.perf_counter() - t0)
@@ -136,6 +170,7 @@ def bench_dtype(
     reader = Archive(path, mode="r", progress=False)
     t_read = 0.0
     warm_memory(payload)
+    evict(path)
     for a, b in read_parts(len(reader), payload):
         t0 = time.perf_counter()
         back = reader.read(a, b)["obs"]
@@ -180,6 +215,7 @@ def bench_vault(folder: str, dtype: str, obs: np.ndarray, blocks: int) -> tuple[
         reader = Vault(f"vault-{dtype}", vault_uid="x")
         parts = read_parts(blocks * block, obs[:, :1].nbytes * blocks * block)
         warm_memory(obs[:, :1].nbytes * blocks * block)
+        evict(os.path.join(folder, "vaults"))
         t_read, seen = 0.0, 0
         for i in range(len(parts)):
             t0 = time.perf_counter()
@@ -620,12 +656,26 @@ def main() -> None:
         action="store_true",
         help="only write against write_async in a loop with a training phase between writes",
     )
+    parser.add_argument(
+        "--data",
+        choices=("frames", "random"),
+        default="frames",
+        help="compressible rendered frames (default) or incompressible random steps",
+    )
+    parser.add_argument(
+        "--cold", action="store_true", help="drop the files from the page cache before reads"
+    )
     args = parser.parse_args()
+    global DATA, COLD
+    DATA, COLD = args.data, args.cold
     steps = args.steps or (2**14 if args.quick else 2**17)
     block = min(args.block, steps // ROWS)
     folder = tempfile.mkdtemp(prefix="bench-archive-", dir=args.dir)
     try:
-        print(f"{steps} steps = {ROWS} rows x {steps // ROWS}, obs {SHAPE}, ring {block}/row")
+        print(
+            f"{steps} steps = {ROWS} rows x {steps // ROWS}, obs {SHAPE}, ring {block}/row, "
+            f"data {DATA}, page cache {'dropped before reads' if COLD else 'kept'}"
+        )
         if args.background:
             for dtype in args.dtypes.split(","):
                 print(table(background_writes(folder, dtype, block, 8, 200.0)), flush=True)

@@ -1148,3 +1148,59 @@ def test_long_read_fetches_ahead_and_holds_a_few_shards(tmp_path, monkeypatch):
     np.testing.assert_array_equal(back["x"][1, :, 0], expect)
     bound = _store.READ_AHEAD + _store._THREADS + 1
     assert 1 < most[0] <= bound, (most[0], bound)  # fetched ahead, and bounded
+
+
+def _codec_of(path: str, leaf: str) -> str | None:
+    """The compressor of a leaf's array as its zarr metadata says (None: raw bytes)."""
+    codecs = list(zarr.open_array(path, path=leaf, mode="r").metadata.codecs)
+    if len(codecs) == 1 and hasattr(codecs[0], "codecs"):  # sharded: the inner chunks' codecs
+        codecs = list(codecs[0].codecs)
+    return type(codecs[1]).__name__ if len(codecs) > 1 else None
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["own-io", "zarr-path"])
+def test_a_leaf_the_codec_cannot_shrink_is_stored_raw(tmp_path, monkeypatch, direct):
+    """At the first write, each leaf whose steps the codec shrinks by less than
+    WORTH_COMPRESSING (noise) is stored without it; compressible leaves keep it. zarr, a
+    reader opened before the write (once refreshed) and a new reader read what was written."""
+    from equibuffer._archive._format import WORTH_COMPRESSING
+
+    monkeypatch.setattr(Archive, "_direct_io", direct)
+    rng = np.random.default_rng(0)
+    example = {"noise": jnp.zeros(8, jnp.float32), "frame": jnp.zeros((4, 4), jnp.uint8)}
+    storage = eb.RingStorage(example, rows=2, length=64)
+    path = str(tmp_path / "run.zarr")
+    archive = Archive(path, storage, progress=False, chunk_steps=8, shard_steps=16)
+    early = Archive(path, mode="r", progress=False)
+    assert _codec_of(path, "noise") == "ZstdCodec" == _codec_of(path, "frame")
+    noise = rng.standard_normal((2, 64, 8)).astype(np.float32)
+    frame = np.tile(np.arange(16, dtype=np.uint8).reshape(4, 4), (2, 64, 1, 1))
+    import numcodecs
+
+    raw = np.ascontiguousarray(noise)
+    assert raw.nbytes < WORTH_COMPRESSING * len(numcodecs.Zstd(level=1).encode(raw))
+    archive.write(ring_holding(storage, [frame, noise], 64))  # leaves in sorted order
+    assert _codec_of(path, "noise") is None and _codec_of(path, "frame") == "ZstdCodec"
+    more = rng.standard_normal((2, 64, 8)).astype(np.float32)
+    archive.write(ring_holding(storage, [frame, more], 128))  # later writes keep the choice
+    archive.close()
+    assert _codec_of(path, "noise") is None
+    both = np.concatenate([noise, more], axis=1)
+    np.testing.assert_array_equal(zarr.open_array(path, path="noise", mode="r")[:], both)
+    assert early.refresh() == 128
+    for reader in (early, Archive(path, mode="r", progress=False)):
+        back = reader.read()
+        np.testing.assert_array_equal(back["noise"], both)
+        np.testing.assert_array_equal(back["frame"][:, :64], frame)
+
+
+def test_compression_none_and_compressible_leaves_are_left_as_asked(tmp_path):
+    example = {"x": jnp.zeros(8, jnp.float32)}
+    storage = eb.RingStorage(example, rows=1, length=32)
+    for compression, codec in (("none", None), ("lz4", "BloscCodec"), ("zstd", "ZstdCodec")):
+        path = str(tmp_path / f"{compression}.zarr")
+        archive = Archive(path, storage, progress=False, compression=compression)
+        steps = np.zeros((1, 32, 8), np.float32)  # all zeros: compressible
+        archive.write(ring_holding(storage, [steps], 32))
+        archive.close()
+        assert _codec_of(path, "x") == codec

@@ -20,7 +20,19 @@ import numpy as np
 import zarr
 
 from ._chunks import Chunks, EMPTY, LeafIO, Shards
-from ._format import ATTR, Commit, document, INT64_MAX, OnLost, schema_diff, schema_of, storage_of
+from ._format import (
+    ATTR,
+    Commit,
+    create_leaf_array,
+    direct_codecs,
+    document,
+    INT64_MAX,
+    OnLost,
+    schema_diff,
+    schema_of,
+    storage_of,
+    worth_compressing,
+)
 from ._reader import Reader
 from ._store import fsync_path, read_json, run_all, WriterLock
 
@@ -235,6 +247,8 @@ class Writer:
                 f"{self.reader.commit.length}; nothing was written."
             )
         self.next_tail = None
+        if plan.base == 0:
+            self.choose_codecs(plan.host)
         self.append(plan.host)
         self.commit(plan.commit)
         self.tail = self.next_tail  # kept only once committed
@@ -249,6 +263,26 @@ class Writer:
         except BaseException as error:
             self.failed = error
             raise
+
+    def choose_codecs(self, host: list[np.ndarray]) -> None:
+        """Before the archive's first steps are written: each leaf whose steps its codec
+        hardly shrinks (`worth_compressing`: random frames, noise) is recreated without the
+        codec, so that reading it costs a copy rather than a decode. Each array's metadata
+        says how it is stored, so zarr and every reader (refreshed) read it as written."""
+        layout = self.reader.layout
+        group = None
+        for leaf, steps in zip(layout.leaves, host, strict=True):
+            # (an array another tool re-encoded, which `direct_codecs` refuses, is kept)
+            how = direct_codecs(self.reader.arrays[leaf.name])
+            if how is None or how[0] is None or worth_compressing(how[0], steps):
+                continue
+            if group is None:
+                group = zarr.open_group(self.reader.store, mode="a", zarr_format=3)
+            create_leaf_array(
+                group, leaf, layout.rows, layout.chunk_steps, layout.shard_steps, None
+            )
+        if group is not None:
+            self.reader.open_arrays()
 
     def append(self, host: list[np.ndarray]) -> None:
         """Write `host` (per leaf `(rows, k, *leaf)`) after the committed length. Nothing is

@@ -260,7 +260,9 @@ def draw_by_priority(
     else:
         per = batch_size // blocks
         totals = tree.block_totals(blocks)[:, None]
-        u = (jnp.arange(per, dtype=jnp.float32) + jax.random.uniform(key, (blocks, per))) / per
+        u = (
+            jnp.arange(per, dtype=jnp.float32)[None, :] + jax.random.uniform(key, (blocks, per))
+        ) / per
         indices, leaves = jax.lax.optimization_barrier(tree.search_blocks(u * totals))
         total = jnp.min(totals)
     failure = jnp.where(total > 0, 3, jnp.where(none_valid, 2, 1))

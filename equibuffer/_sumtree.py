@@ -442,7 +442,6 @@ class SumTree(eqx.Module):
             assert leaves.tolist() == [0, 2] and values.tolist() == [1.0, 3.0]
             ```
         """
-        k = self.fanout
         u = prefix.astype(jnp.float32)
         # The top level (the root's children), then one level down per step. Each step is a
         # gather of the children, then elementwise work on them. The optimisation barriers
@@ -451,17 +450,117 @@ class SumTree(eqx.Module):
         # by XLA:CPU in the calling thread (independent ones are handed to other threads,
         # which costs more than this work at batch sizes of a few hundred).
         sizes, offsets = _layout(self.capacity, self.fanout, self.top)
-        levels = len(sizes) - 2
-        barrier = jax.lax.optimization_barrier if levels > 1 else lambda x: x
         node, before, value = _descend(self.nodes[None, offsets[-3] : offsets[-2]], u)
-        node, u = barrier((node, u - before))
-        for level in reversed(range(levels)):
-            children = barrier(_rows(self.nodes, offsets[level] + node * k, k))
+        return self._descend_from(len(sizes) - 2, node, u - before, value)
+
+    def block_totals(self, blocks: int) -> Float[Array, " blocks"]:
+        """The sum of the leaves of each of `blocks` equal runs of consecutive leaves (block
+        `b` holds leaves `[b * capacity / blocks, (b + 1) * capacity / blocks)`; `blocks`
+        must divide `capacity`).
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import equibuffer as eb
+
+            tree = eb.SumTree(6).set(jnp.array([0, 2, 5]), jnp.array([1.0, 2.0, 4.0]))
+            assert tree.block_totals(2).tolist() == [3.0, 4.0]  # leaves 0-2 and 3-5
+            ```
+        """
+        return self._block_runs(blocks)[2][:, -1]
+
+    def search_blocks(
+        self, prefix: Float[Array, "blocks per_block"]
+    ) -> tuple[Int[Array, "blocks per_block"], Float[Array, "blocks per_block"]]:
+        """`search` inside blocks: for each `prefix[b, i]` in `[0, block_totals(blocks)[b])`
+        (`blocks = prefix.shape[0]`), the leaf of block `b` whose cumulative range within
+        the block holds it, and its value. A leaf outside the block, or of zero value while
+        the block's total is positive, is never returned (a prefix at or past the block's
+        total maps to its last positive leaf).
+
+        The search starts at the lowest level whose nodes each lie inside one block (the
+        nodes `fanout**j` leaves wide, for the largest `j` with `fanout**j` dividing
+        `capacity / blocks`): that level's run of nodes of the block is read whole (so the
+        cost is `capacity / blocks / fanout**j` per block, plus `O(log)` per query below).
+
+        !!! example
+
+            ```python
+            import jax.numpy as jnp
+            import equibuffer as eb
+
+            tree = eb.SumTree(6).set(jnp.array([0, 2, 5]), jnp.array([1.0, 2.0, 4.0]))
+            leaves, values = tree.search_blocks(jnp.array([[0.5, 1.5], [0.0, 3.9]]))
+            assert leaves.tolist() == [[0, 2], [5, 5]]  # block 0: leaves 0-2, block 1: 3-5
+            assert values.tolist() == [[1.0, 2.0], [4.0, 4.0]]
+            ```
+        """
+        blocks, per = prefix.shape
+        level, runs, running = self._block_runs(blocks)
+        u = prefix.astype(jnp.float32)
+        width = runs.shape[1]
+        # The first node whose running sum passes `u`, moved on to the first positive node
+        # at or after it (or back to the block's last positive node): a zero node is never
+        # entered, whatever order the running sums were added in.
+        count = jax.vmap(lambda r, q: jnp.searchsorted(r, q, side="right"))(running, u)
+        index = jnp.arange(width, dtype=jnp.int32)
+        positive = runs > 0
+        upcoming = jax.lax.cummin(jnp.where(positive, index, width), axis=1, reverse=True)
+        last = jnp.max(jnp.where(positive, index, 0), axis=1, keepdims=True)
+        start = jnp.minimum(count, width - 1).astype(jnp.int32)
+        child = jnp.take_along_axis(upcoming, start, axis=1)
+        child = jnp.where(child < width, child, last)
+        before = jnp.take_along_axis(running, jnp.maximum(child - 1, 0), axis=1)
+        before = jnp.where(child > 0, before, 0.0)
+        value = jnp.take_along_axis(runs, child, axis=1)
+        node = child + (jnp.arange(blocks, dtype=jnp.int32) * width)[:, None]
+        remainder = jnp.maximum(u - before, 0.0)
+        leaves, values = self._descend_from(
+            level, node.reshape(-1), remainder.reshape(-1), value.reshape(-1)
+        )
+        return leaves.reshape(blocks, per), values.reshape(blocks, per)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _descend_from(
+        self,
+        level: int,
+        node: Int[Array, " batch"],
+        u: Float[Array, " batch"],
+        value: Float[Array, " batch"],
+    ) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
+        """From `node` of `level` (of value `value`) and the prefix `u` inside it, down to
+        the leaf holding it, and its value."""
+        k = self.fanout
+        _, offsets = _layout(self.capacity, self.fanout, self.top)
+        barrier = jax.lax.optimization_barrier if level > 1 else lambda x: x
+        node, u = barrier((node, u))
+        for below in reversed(range(level)):
+            children = barrier(_rows(self.nodes, offsets[below] + node * k, k))
             child, before, value = _descend(children, u)
             node, u = barrier((node * k + child, u - before))
         return jnp.minimum(node, self.capacity - 1), value
 
-    # ---------------------------------------------------------------- helpers
+    def _block_runs(
+        self, blocks: int
+    ) -> tuple[int, Float[Array, "blocks width"], Float[Array, "blocks width"]]:
+        """The lowest level whose nodes each lie in one of `blocks` equal blocks of leaves,
+        the run of its nodes in each block, and their running sums (made non-decreasing)."""
+        where = "SumTree.search_blocks()"
+        blocks = check_positive_int(where, "blocks", blocks)
+        if self.capacity % blocks:
+            raise ValueError(
+                f"{where}: {blocks} blocks do not divide the capacity {self.capacity} evenly."
+            )
+        sizes, offsets = _layout(self.capacity, self.fanout, self.top)
+        leaves, level = self.capacity // blocks, 0
+        while level < len(sizes) - 2 and leaves % self.fanout == 0:
+            leaves, level = leaves // self.fanout, level + 1
+        runs = self.nodes[offsets[level] : offsets[level] + blocks * leaves]
+        runs = runs.reshape(blocks, leaves)
+        running = jax.lax.cummax(jax.lax.associative_scan(jnp.add, runs, axis=1), axis=1)
+        return level, runs, running
 
     def _with_root(self, nodes: Float[Array, " nodes"]) -> "SumTree":
         """The tree holding `nodes`, its root recomputed as the sum of the top level."""

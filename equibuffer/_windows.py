@@ -76,13 +76,25 @@ def offset_slots(storage: RingStorage, offsets: Int[Array, "*b"]) -> Int[Array, 
 
 
 def uniform_windows(
-    storage: RingStorage, key: PRNGKeyArray, batch_size: int, sequence_length: int, period: int
+    storage: RingStorage,
+    key: PRNGKeyArray,
+    batch_size: int,
+    sequence_length: int,
+    period: int,
+    blocks: int = 1,
 ) -> tuple[Indices, Steps]:
-    """Draw `batch_size` windows uniformly (with replacement) over all valid windows."""
+    """Draw `batch_size` windows uniformly (with replacement) over all valid windows; with
+    `blocks > 1` (dividing `rows` and `batch_size`), the rows are cut into that many equal
+    blocks and the `b`-th `batch_size / blocks` draws are uniform over block `b`'s windows."""
     first, count = window_layout(storage, sequence_length, period)
     per_row = jnp.maximum(count, 1)
-    u = jax.random.randint(key, (batch_size,), 0, storage.rows * per_row, dtype=jnp.int32)
-    return window_at(storage, u // per_row, first + (u % per_row) * period)
+    rows = storage.rows // blocks
+    u = jax.random.randint(key, (batch_size,), 0, rows * per_row, dtype=jnp.int32)
+    row = u // per_row
+    if blocks > 1:
+        block = jnp.arange(batch_size, dtype=jnp.int32) // (batch_size // blocks)
+        row = row + block * rows
+    return window_at(storage, row, first + (u % per_row) * period)
 
 
 def flat_indices(rows: int, length: int, slots: Int[Array, " m"]) -> Int[Array, " rows_m"]:

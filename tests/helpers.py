@@ -3,9 +3,13 @@
 import collections
 import json
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
+import equinox as eqx
+import jax
 import numpy as np
 import scipy.stats
 from hypothesis import settings
@@ -109,8 +113,15 @@ def run_on_host_devices(script: str, devices: int, timeout: float, **env: str):
         "JAX_PLATFORMS": "cpu",  # host devices, also on a machine with an accelerator
         **env,
     }
+    # From the repository root, so that the script may `from tests.helpers import ...`.
+    root = pathlib.Path(__file__).resolve().parents[1]
     return subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=root,
     )
 
 
@@ -128,3 +139,27 @@ def json_lines_on_host_devices(script: str, devices: int, timeout: float, key: s
             case = json.loads(line)
             cases[case[key]] = case
     return {"cases": cases, "stderr": stderr[-3000:]}
+
+
+_COLLECTIVE = re.compile(
+    r"= (\(?[^=]*?) (all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)"
+    r"(-start)?\("
+)
+_SHAPE = re.compile(r"\w+\[([\d,]*)\]")
+
+
+def largest_collective(fn, *args) -> int:
+    """The largest result, in elements, of any collective of the compiled `fn(*args)` (0 when
+    it has none): on a mesh, what `fn` moves between devices at most in one collective."""
+    arrays, static = eqx.partition(args, eqx.is_array)
+
+    def raw(arrays):
+        out = fn(*eqx.combine(arrays, static))
+        return eqx.partition(out, eqx.is_array)[0]
+
+    hlo = jax.jit(raw).lower(arrays).compile().as_text()
+    sizes = [0]
+    for m in _COLLECTIVE.finditer(hlo):
+        for dims in _SHAPE.findall(m.group(1)):
+            sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
+    return max(sizes)

@@ -14,10 +14,11 @@ from .helpers import json_lines_on_host_devices
 
 SCRIPT = textwrap.dedent(
     """
-    import json, re
+    import json
     import equinox as eqx, jax, jax.numpy as jnp, numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     import equibuffer as eb
+    from tests.helpers import largest_collective as moved
 
     jax.config.update("jax_numpy_dtype_promotion", "strict")
     n = 8
@@ -79,26 +80,6 @@ SCRIPT = textwrap.dedent(
     @eqx.filter_jit(donate="all-except-first")
     def step(key, buffer, b):
         return sample(add(buffer, b), key)
-
-    COLLECTIVE = re.compile(
-        r"= (\\(?[^=]*?) (all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)"
-        r"(-start)?\\(")
-    SHAPE = re.compile(r"\\w+\\[([\\d,]*)\\]")
-    found = COLLECTIVE.search("%a = (f32[28,4]{1,0}, s32[]) all-reduce-start(%b), x")
-    assert found and SHAPE.findall(found.group(1)) == ["28,4", ""]
-
-    def moved(fn, *args):
-        # The largest result, in elements, of any collective of the compiled program.
-        arrays, static = eqx.partition(args, eqx.is_array)
-        def raw(arrays):
-            out = fn(*eqx.combine(arrays, static))
-            return eqx.partition(out, eqx.is_array)[0]
-        hlo = jax.jit(raw).lower(arrays).compile().as_text()
-        sizes = [0]
-        for m in COLLECTIVE.finditer(hlo):
-            for dims in SHAPE.findall(m.group(1)):
-                sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
-        return max(sizes)
 
     def shards(tree):
         return [l for l in jax.tree.leaves(tree) if l.sharding.spec != P()]

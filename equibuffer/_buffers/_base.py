@@ -13,7 +13,7 @@ from .._protocol import AbstractReplayBuffer
 from .._ring import RingStorage
 from ._rules import AbstractRule, AbstractUniformRule, count_held, Drawn, Window
 from ._samples import EpisodeSample, Sample, Transition as Transition
-from ._views import AbstractView
+from ._views import AbstractView, gather_by_blocks
 
 
 _Buffer = TypeVar("_Buffer", bound="AbstractBuffer")
@@ -238,11 +238,28 @@ class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
             f"{self.view.needs(self.min_length_time_axis)}. Check `buffer.can_sample()` first."
         )
 
-    def _experience(self, drawn: Drawn) -> tuple[Any, Bool[Array, "batch window"] | None]:
+    def _row_blocks(self, where: str, row_blocks: int, batch_size: int) -> int:
+        """`row_blocks` checked: a positive int dividing the rows and `batch_size`."""
+        row_blocks = check_positive_int(where, "row_blocks", row_blocks)
+        for name, n in (("add_batch_size", self.storage.rows), ("batch_size", batch_size)):
+            if n % row_blocks:
+                raise ValueError(
+                    f"{where}: row_blocks={row_blocks} must divide {name}={n} (each block "
+                    f"of rows gets batch_size / row_blocks of the draws)."
+                )
+        return row_blocks
+
+    def _experience(
+        self, drawn: Drawn, blocks: int = 1
+    ) -> tuple[Any, Bool[Array, "batch window"] | None]:
         """The view's experience of the drawn windows, padded past episode ends where the
-        rule says, and the rule's mask (None without episodes)."""
+        rule says, and the rule's mask (None without episodes). With `blocks > 1` the
+        windows were drawn by blocks of rows, and each block gathers from its own rows."""
         mask = self.rule.mask(self.storage, drawn.indices, self.window)
-        experience = self.view.gather(self.storage, drawn.indices, mask)
+        if blocks == 1:
+            experience = self.view.gather(self.storage, drawn.indices, mask)
+        else:
+            experience = gather_by_blocks(self.view, self.storage, drawn.indices, mask, blocks)
         if mask is not None:
             experience = self.view.padded(experience, mask)
         return experience, mask
@@ -286,9 +303,10 @@ class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
         return eqx.tree_at(lambda b: (b.storage, b.rule), self, (storage, rule))
 
     @abc.abstractmethod
-    def sample(self, key: PRNGKeyArray, batch_size: int) -> Sample:
+    def sample(self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1) -> Sample:
         """Draw `batch_size` windows (with replacement) by the buffer's rule; see the
-        concrete buffers."""
+        concrete buffers. With `row_blocks=n`, each of `n` equal blocks of rows gets its
+        own `batch_size / n` draws (see [Scaling](../scaling.md))."""
         ...
 
 
@@ -298,8 +316,19 @@ class AbstractUniformBuffer(AbstractBuffer):
     # (an AbstractVar may be narrowed by a subclass; pyright reads it as a mutable field)
     rule: eqx.AbstractVar[AbstractUniformRule]  # pyright: ignore[reportIncompatibleVariableOverride]
 
-    def sample(self, key: PRNGKeyArray, batch_size: int) -> Sample:
+    def sample(self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1) -> Sample:
         """Draw `batch_size` windows uniformly, with replacement, over all valid windows.
+
+        **Arguments:**
+
+        - `key`: a JAX PRNG key.
+        - `batch_size`: the number of windows drawn (static).
+        - `row_blocks`: `n >= 1` dividing `add_batch_size` and `batch_size` (static). The rows
+            are cut into `n` equal blocks of consecutive rows, the blocks `shard_rows` puts
+            on the `n` devices of a mesh axis, and the `b`-th `batch_size / n` windows are
+            drawn uniformly over the valid windows of block `b` only: each device samples
+            its own batch from its own rows (the `pmap` pattern; see
+            [Scaling](../scaling.md)). The default, 1, draws over all rows.
 
         Raises inside jit (through `eqx.error_if`) when `can_sample()` is false.
 
@@ -318,6 +347,7 @@ class AbstractUniformBuffer(AbstractBuffer):
         """
         where = f"{type(self).__name__}.sample()"
         batch_size = check_positive_int(where, "batch_size", batch_size)
+        blocks = self._row_blocks(where, row_blocks, batch_size)
         drawn = self.rule.draw(
             self.storage,
             self.window,
@@ -326,8 +356,9 @@ class AbstractUniformBuffer(AbstractBuffer):
             self.can_sample(),
             self._not_ready(where),
             where,
+            blocks,
         )
-        experience, mask = self._experience(drawn)
+        experience, mask = self._experience(drawn, blocks)
         if mask is None:
             return Sample(experience=experience, indices=drawn.indices, steps=drawn.steps)
         return EpisodeSample(

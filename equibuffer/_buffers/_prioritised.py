@@ -86,6 +86,8 @@ class AbstractPrioritisedBuffer(AbstractBuffer, AbstractPrioritisedSource):
         key: PRNGKeyArray,
         batch_size: int,
         beta: float | Float[ArrayLike, ""] = 1.0,
+        *,
+        row_blocks: int = 1,
     ) -> PrioritisedSample:
         """Draw `batch_size` windows, each with probability `P(i) = p_i**alpha / sum_k
         p_k**alpha` over the valid windows (stratified: the total is cut into `batch_size`
@@ -98,6 +100,13 @@ class AbstractPrioritisedBuffer(AbstractBuffer, AbstractPrioritisedSource):
         - `beta`: the importance-sampling exponent, `>= 0` (a float or a 0-d array, so it
             may be annealed without retracing). 0 gives weights of 1, 1 corrects the bias of
             prioritised sampling fully.
+        - `row_blocks`: `n >= 1` dividing `add_batch_size` and `batch_size` (static). The rows
+            are cut into `n` equal blocks of consecutive rows (the blocks `shard_rows` puts on
+            the `n` devices of a mesh axis), and the `b`-th `batch_size / n` windows are drawn
+            from block `b` only, each with probability `p_i**alpha / T_b`, `T_b` the sum over
+            the valid windows of block `b`; `probabilities` are these, and `weights` are
+            normalised by the largest weight of their block: each block is the sample its
+            device would draw on its own (see [Scaling](../scaling.md)). Default 1: all rows.
 
         **Returns:**
 
@@ -124,6 +133,7 @@ class AbstractPrioritisedBuffer(AbstractBuffer, AbstractPrioritisedSource):
         where = f"{type(self).__name__}.sample()"
         batch_size = check_positive_int(where, "batch_size", batch_size)
         exponent = check_beta(where, beta)
+        blocks = self._row_blocks(where, row_blocks, batch_size)
         drawn = self.rule.draw(
             self.storage,
             self.window,
@@ -133,9 +143,10 @@ class AbstractPrioritisedBuffer(AbstractBuffer, AbstractPrioritisedSource):
             self.can_sample(),
             self._not_ready(where),
             where,
+            blocks,
         )
         assert drawn.probabilities is not None and drawn.weights is not None
-        experience, mask = self._experience(drawn)
+        experience, mask = self._experience(drawn, blocks)
         fields = dict(
             experience=experience,
             indices=drawn.indices,

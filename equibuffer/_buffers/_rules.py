@@ -183,15 +183,18 @@ class EpisodeEnds(eqx.Module):
         # Step j belongs to the episode when no end comes before it in the window.
         return jnp.cumsum(flags, axis=1) - flags == 0
 
-    def no_window_message(self, where: str, window: Window) -> str:
+    def no_window_message(self, where: str, window: Window, blocks: int = 1) -> str:
         fix = (
             "use mode='pad' (short episodes are zero-padded) or shorter windows"
             if self.mode == "never_cross"
             else "add more steps or use shorter windows"
         )
+        held = "steps held"
+        if blocks > 1:
+            held = f"steps held in the rows of one of the row_blocks={blocks} blocks"
         return (
             f"{where}: no window of {window.name} fits inside an episode among the "
-            f"steps held (mode={self.mode!r}; `can_sample()` only looks at the counters). "
+            f"{held} (mode={self.mode!r}; `can_sample()` only looks at the counters). "
             f"To sample anyway, {fix}."
         )
 
@@ -238,14 +241,30 @@ def draw_by_priority(
     ready: BoolScalar,
     none_valid: BoolScalar,
     messages: tuple[str, str, str, str],
+    blocks: int = 1,
 ) -> Drawn:
     """Draw `batch_size` leaves of `tree` in proportion to their values (stratified), with
     probabilities and importance weights. One check for the four ways to fail, in the order
-    of `messages`: not `ready`; every valid window at priority 0; `none_valid`; a bad `beta`."""
+    of `messages`: not `ready`; every valid window at priority 0; `none_valid`; a bad `beta`.
+
+    With `blocks > 1` the leaves are cut into that many equal blocks (the rows' blocks) and
+    the `b`-th `batch_size / blocks` draws are made inside block `b`, in proportion to the
+    values there: probabilities and weights are those of the block (its total, its smallest
+    drawn probability), and a block of total 0 fails as a tree of total 0 does."""
     # The barrier keeps XLA from fusing the tree search into the gather of the windows
     # (which would redo the search for every gathered element).
-    indices, leaves = jax.lax.optimization_barrier(tree.sample_values(key, batch_size))
-    total = tree.total()
+    if blocks == 1:
+        indices, leaves = jax.lax.optimization_barrier(tree.sample_values(key, batch_size))
+        total = tree.total()
+        totals = total
+    else:
+        per = batch_size // blocks
+        totals = tree.block_totals(blocks)[:, None]
+        u = (
+            jnp.arange(per, dtype=jnp.float32)[None, :] + jax.random.uniform(key, (blocks, per))
+        ) / per
+        indices, leaves = jax.lax.optimization_barrier(tree.search_blocks(u * totals))
+        total = jnp.min(totals)
     failure = jnp.where(total > 0, 3, jnp.where(none_valid, 2, 1))
     failure = jnp.where(~ready, 0, failure)
     indices = branched_error_if(
@@ -254,10 +273,12 @@ def draw_by_priority(
         failure,
         list(messages),
     )
-    probabilities = leaves / total
+    probabilities = leaves / totals
     # (N P(i))^-beta / max_j (N P(j))^-beta, written so that it neither over- nor
     # underflows: every sampled P(i) > 0, and the ratio to the smallest is >= 1.
-    weights = (probabilities / jnp.min(probabilities)) ** -beta
+    smallest = jnp.min(probabilities, axis=-1, keepdims=True)
+    weights = (probabilities / smallest) ** -beta
+    indices, probabilities, weights = (x.reshape(-1) for x in (indices, probabilities, weights))
     steps = start_steps(storage, window_offsets(storage, indices))
     return Drawn(indices, steps, probabilities, weights)
 
@@ -386,9 +407,12 @@ class AbstractUniformRule(AbstractRule):
         ready: BoolScalar,
         not_ready: str,
         where: str,
+        blocks: int = 1,
     ) -> Drawn:
         """Draw `batch_size` valid windows uniformly, with replacement; raise `not_ready`
-        inside jit unless `ready`."""
+        inside jit unless `ready`. With `blocks > 1` (dividing the rows and `batch_size`),
+        the `b`-th `batch_size / blocks` windows are drawn uniformly among those of the
+        `b`-th of `blocks` equal blocks of rows."""
 
 
 class AbstractPrioritisedRule(AbstractRule):
@@ -409,8 +433,10 @@ class AbstractPrioritisedRule(AbstractRule):
         ready: BoolScalar,
         not_ready: str,
         where: str,
+        blocks: int = 1,
     ) -> Drawn:
-        """Draw `batch_size` valid windows by priority, with probabilities and weights."""
+        """Draw `batch_size` valid windows by priority, with probabilities and weights;
+        with `blocks > 1`, by block of rows as the uniform rules do (see `draw_by_priority`)."""
 
     @abc.abstractmethod
     def current(
@@ -447,8 +473,11 @@ class Uniform(AbstractUniformRule):
         ready: BoolScalar,
         not_ready: str,
         where: str,
+        blocks: int = 1,
     ) -> Drawn:
-        indices, steps = uniform_windows(storage, key, batch_size, window.length, window.period)
+        indices, steps = uniform_windows(
+            storage, key, batch_size, window.length, window.period, blocks
+        )
         return Drawn(error_if(indices, ~ready, not_ready), steps)
 
 
@@ -503,16 +532,24 @@ class Episodic(AbstractUniformRule):
         ready: BoolScalar,
         not_ready: str,
         where: str,
+        blocks: int = 1,
     ) -> Drawn:
-        total = self.count_valid(storage, window)
-        rank = jax.random.randint(key, (batch_size,), 0, jnp.maximum(total, 1), dtype=jnp.int32)
         # Integer prefixes and integer node sums are exact in float32 below 2**24.
-        indices = self.tree.find(rank.astype(jnp.float32))
+        if blocks == 1:
+            total = self.count_valid(storage, window)
+            rank = jax.random.randint(key, (batch_size,), 0, jnp.maximum(total, 1), jnp.int32)
+            indices = self.tree.find(rank.astype(jnp.float32))
+        else:
+            totals = self.tree.block_totals(blocks).astype(jnp.int32)[:, None]
+            shape = (blocks, batch_size // blocks)
+            rank = jax.random.randint(key, shape, 0, jnp.maximum(totals, 1), jnp.int32)
+            indices = self.tree.search_blocks(rank.astype(jnp.float32))[0].reshape(-1)
+            total = jnp.min(totals)
         indices = branched_error_if(
             indices,
             ~ready | (total == 0),
             jnp.where(ready, 1, 0),
-            [not_ready, self.episodes.no_window_message(where, window)],
+            [not_ready, self.episodes.no_window_message(where, window, blocks)],
         )
         return Drawn(indices, start_steps(storage, window_offsets(storage, indices)))
 
@@ -578,6 +615,7 @@ class Prioritised(AbstractPrioritisedRule):
         ready: BoolScalar,
         not_ready: str,
         where: str,
+        blocks: int = 1,
     ) -> Drawn:
         return draw_by_priority(
             storage,
@@ -587,7 +625,8 @@ class Prioritised(AbstractPrioritisedRule):
             beta,
             ready,
             jnp.array(False),
-            _priority_messages(where, not_ready, f"{where}: no valid window."),
+            _priority_messages(where, not_ready, f"{where}: no valid window.", blocks),
+            blocks,
         )
 
     def current(
@@ -679,6 +718,7 @@ class PrioritisedEpisodic(AbstractPrioritisedRule):
         ready: BoolScalar,
         not_ready: str,
         where: str,
+        blocks: int = 1,
     ) -> Drawn:
         no_window = self.episodes.no_window_message(where, window)
         return draw_by_priority(
@@ -689,7 +729,8 @@ class PrioritisedEpisodic(AbstractPrioritisedRule):
             beta,
             ready,
             self.num_valid == 0,
-            _priority_messages(where, not_ready, no_window),
+            _priority_messages(where, not_ready, no_window, blocks),
+            blocks,
         )
 
     def count_valid(self, storage: RingStorage, window: Window) -> IntScalar:
@@ -731,10 +772,18 @@ def prioritised_episodic(
     )
 
 
-def _priority_messages(where: str, not_ready: str, no_window: str) -> tuple[str, str, str, str]:
+def _priority_messages(
+    where: str, not_ready: str, no_window: str, blocks: int = 1
+) -> tuple[str, str, str, str]:
+    which = (
+        "every valid window has priority 0"
+        if blocks == 1
+        else f"in the rows of one of the row_blocks={blocks} blocks, every valid window has "
+        "priority 0 (or none is valid)"
+    )
     return (
         not_ready,
-        f"{where}: every valid window has priority 0, so there is nothing to draw "
+        f"{where}: {which}, so there is nothing to draw "
         "(`can_sample()` only looks at the counters). Give some windows a positive "
         "priority with `set_priorities`, or add data (new windows enter at the largest "
         "priority seen).",

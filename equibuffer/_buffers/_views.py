@@ -181,3 +181,28 @@ class ItemView(AbstractView):
 
     def needs(self, steps: int) -> str:
         return f"at least {steps} item{'s' if steps > 1 else ''} per row"
+
+
+def gather_by_blocks(
+    view: AbstractView, storage: RingStorage, indices: Indices, mask: Mask | None, blocks: int
+) -> Any:
+    """`view.gather(storage, indices, mask)` for indices drawn by blocks of rows (the `b`-th
+    `batch / blocks` indices all in the `b`-th of `blocks` equal blocks of rows): each block
+    gathers from its own rows only (a gather batched over the blocks), so with the rows split
+    over devices block by block (`shard_rows`) every device gathers its block's windows from
+    the rows it holds, and nothing crosses devices."""
+    rows = storage.rows // blocks
+    local = indices.reshape(blocks, -1)
+    local = local - (jnp.arange(blocks, dtype=local.dtype) * (rows * storage.length))[:, None]
+    treedef = jax.tree.structure(
+        jax.eval_shape(lambda: RingStorage(storage.example(), rows, storage.length))
+    )
+    data = jax.tree.map(lambda x: x.reshape(blocks, rows, *x.shape[1:]), storage.data)
+    masks = None if mask is None else mask.reshape(blocks, -1, *mask.shape[1:])
+
+    def block(data: Any, local: Indices, mask: Mask | None) -> Any:
+        own = jax.tree.unflatten(treedef, [*jax.tree.leaves(data), storage.counters])
+        return view.gather(own, local, mask)
+
+    out = jax.vmap(block)(data, local, masks)
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), out)

@@ -4,6 +4,7 @@ from ._archive import (
     Archive as Archive,
     ArchiveLockedError as ArchiveLockedError,
     ArchiveSample as ArchiveSample,
+    ArchiveSet as ArchiveSet,
     as_jax as as_jax,
     StepsLostError as StepsLostError,
     StepsLostWarning as StepsLostWarning,

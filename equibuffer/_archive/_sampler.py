@@ -85,13 +85,7 @@ def sample(
     period = check_positive_int(where, "period", period)
     rng = generator(where, key)
     row_ids = np.asarray(reader.row_ids(reader.rows_index(where, rows)), np.int64)
-    firsts, counts = [], []
-    for a, b in reader.commit.segments():
-        first = -(-a // period) * period
-        count = (b - seq - first) // period + 1 if b - seq >= first else 0
-        if count > 0:
-            firsts.append(first)
-            counts.append(count)
+    firsts, counts = window_starts(reader, seq, period)
     per_row = int(sum(counts))
     if per_row == 0 or len(row_ids) == 0:
         raise ValueError(
@@ -105,6 +99,19 @@ def sample(
     seg = np.searchsorted(cum, k, side="right") - 1
     starts = np.asarray(firsts)[seg] + (k - cum[seg]) * period
     return ArchiveSample(gather(reader, r, starts, seq), r, starts)
+
+
+def window_starts(reader: Reader, seq: int, period: int) -> tuple[list[int], list[int]]:
+    """Per contiguous segment of the committed steps, the first start (a multiple of
+    `period`) and the number of windows of `seq` steps in it, for one row."""
+    firsts, counts = [], []
+    for a, b in reader.commit.segments():
+        first = -(-a // period) * period
+        count = (b - seq - first) // period + 1 if b - seq >= first else 0
+        if count > 0:
+            firsts.append(first)
+            counts.append(count)
+    return firsts, counts
 
 
 def gather(reader: Reader, rows: np.ndarray, starts: np.ndarray, seq: int) -> Any:

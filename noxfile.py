@@ -30,15 +30,23 @@ def install(session: nox.Session, *groups: str, package: str = ".") -> None:
     session.install("-e", package, *deps)
 
 
-def run_tests(session: nox.Session) -> None:
+def run_tests(session: nox.Session, *selection: str) -> None:
     install(session, "tests")
-    session.run("pytest", "-n", "2", "--dist", "loadfile", *session.posargs)
+    session.run("pytest", "-n", "2", "--dist", "loadfile", *selection, *session.posargs)
 
 
 @nox.session(python=HERE)
 def tests(session: nox.Session) -> None:
-    """The test suite (jaxtyping + beartype runtime checks on), on the Python that runs nox."""
-    run_tests(session)
+    """The test suite (jaxtyping + beartype runtime checks on), on the Python that runs nox,
+    except the tests that start processes (marker `slow`: `nox -s slow`; CI runs both)."""
+    run_tests(session, "-m", "not slow")
+
+
+@nox.session(python=HERE)
+def slow(session: nox.Session) -> None:
+    """The tests that start processes (marker `slow`): 8 emulated devices, several hosts on
+    loopback, archive writers killed mid-write, an archive larger than the memory used."""
+    run_tests(session, "-m", "slow")
 
 
 @nox.session(python=PYTHONS, name="tests-all")

@@ -1088,17 +1088,20 @@ def _crash(
         assert_tree_equal(archive.read(), expected(0, committed + 5))
 
 
+@pytest.mark.slow  # starts processes: `nox -s slow`, and CI
 def test_writer_killed_at_random_moments(tmp_path):
     """The default layout: here one shard, rewritten by every write."""
     crash_writer_many_times(str(tmp_path / f"crash-{uuid.uuid4().hex}.zarr"), None, 2, 0)
 
 
+@pytest.mark.slow  # starts processes: `nox -s slow`, and CI
 def test_small_shards_writer_killed_at_random_moments(tmp_path):
     """Shards of 8 steps (2 chunks): writes span several shards, the first one partly
     committed (its committed chunks kept, a partial chunk completed)."""
     crash_writer_many_times(str(tmp_path / f"crash-{uuid.uuid4().hex}.zarr"), None, 3, 1, 8)
 
 
+@pytest.mark.slow  # starts processes: `nox -s slow`, and CI
 def test_unsharded_writer_killed_at_random_moments(tmp_path):
     """One object per chunk (the layout without shards)."""
     crash_writer_many_times(str(tmp_path / f"crash-{uuid.uuid4().hex}.zarr"), None, 1, 2, 0)

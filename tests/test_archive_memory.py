@@ -7,6 +7,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+
+pytestmark = pytest.mark.slow  # starts processes: `nox -s slow`, and CI
+
 
 SCRIPT = textwrap.dedent(
     """

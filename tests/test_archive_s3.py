@@ -75,6 +75,7 @@ def test_s3_lock_is_a_conditional_put(location):
     location.open(new_buffer()).close()
 
 
+@pytest.mark.slow  # starts processes: `nox -s slow`, and CI
 def test_s3_writer_killed_at_random_moments(s3_options):
     store = f"s3://{BUCKET}/crash-{uuid.uuid4().hex}.zarr"
     crash_writer_many_times(store, json.dumps(s3_options), 2, 1)

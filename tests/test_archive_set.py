@@ -132,6 +132,7 @@ def _wait(condition, seconds: float, what: str) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # starts processes: `nox -s slow`, and CI
 def test_four_writers_four_readers_one_killed(tmp_path):
     """4 writer processes, each writing its own archive (tests/archive_writer.py: values a
     function of row and step), 4 reader processes reading and sampling the set meanwhile;

@@ -13,8 +13,12 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from .helpers import chi_square_pvalue
+
+
+pytestmark = pytest.mark.slow  # starts processes: `nox -s slow`, and CI
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -20,6 +20,9 @@ from equibuffer._errors import error_if
 from .helpers import json_lines_on_host_devices, run_on_host_devices
 
 
+pytestmark = pytest.mark.slow  # starts processes: `nox -s slow`, and CI
+
+
 SCRIPT = textwrap.dedent(
     """
     import json, time

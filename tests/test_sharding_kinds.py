@@ -12,6 +12,9 @@ import pytest
 from .helpers import json_lines_on_host_devices
 
 
+pytestmark = pytest.mark.slow  # starts processes: `nox -s slow`, and CI
+
+
 SCRIPT = textwrap.dedent(
     """
     import json

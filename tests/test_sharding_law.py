@@ -23,6 +23,9 @@ from .helpers import (
 )
 
 
+pytestmark = pytest.mark.slow  # starts processes: `nox -s slow`, and CI
+
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPE_HEADING = "## Flashbax's pmap recipe on a mesh"
 

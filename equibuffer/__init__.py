@@ -47,7 +47,7 @@ from ._protocol import (
 )
 from ._ratelimit import RateLimited as RateLimited
 from ._ring import RingStorage as RingStorage
-from ._sharding import shard_rows as shard_rows
+from ._sharding import per_device as per_device, shard_rows as shard_rows
 from ._sumtree import SumTree as SumTree
 
 

@@ -11,8 +11,9 @@ even when only one device's rows are at fault.
 Where that cannot be done (another `EQX_ON_ERROR` than `raise`, a TPU, whose runtime cannot
 raise from a callback, an Equinox whose internals have moved, or a predicate known at trace
 time) the check is Equinox's own, unchanged. It is Equinox's own too in a process with one
-device, where no mesh can be: a debug callback is an effect, which takes every jitted call that
-holds one off JAX's fast C++ dispatch (measured on the CPU: a jitted `sample` of 32 from Python
+device, where no mesh can be (but inside `shard_map`, where Equinox's check does not trace): a
+debug callback is an effect, which takes every jitted call that holds one off JAX's fast C++
+dispatch (measured on the CPU: a jitted `sample` of 32 from Python
 67 -> 508 us per call, `set_priorities` 35 -> 298 us; inside a scan, `set_priorities` 0.44x).
 """
 
@@ -71,7 +72,7 @@ def branched_error_if(x: PyTree, pred: ArrayLike, index: ArrayLike, msgs: Sequen
         or EQX_ON_ERROR != "raise"
         or isinstance(pred, bool)
         or jax.default_backend() == "tpu"
-        or not several_devices()
+        or not (several_devices() or _manual_axes())
     ):
         return eqx.branched_error_if(x, pred, index, msgs)
     return _check(x, pred, index, tuple(msgs))

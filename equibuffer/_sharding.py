@@ -5,6 +5,8 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._buffers._rules import EpisodeEnds, PrioritisedEpisodic
@@ -110,3 +112,88 @@ def shard_rows(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
 
     is_leaf = lambda x: isinstance(x, tuple(parts))  # noqa: E731
     return jax.tree.map(place, tree, is_leaf=is_leaf)
+
+
+def per_device(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
+    """Return one independent copy of `tree` (a buffer, or any pytree holding buffers, such
+    as a training state, built for what one device holds) on every device of the mesh axis
+    `axis_name`: each array stacked `n` times on a new leading axis, split over the axis.
+
+    This is the layout of per-device code: Flashbax's `pmap` recipe (one buffer state per
+    device) and a `jax.shard_map` step, where each device adds its own batch to its own
+    buffer and samples its own batch from it. Every buffer kind works in it unchanged (each
+    device's copy is a whole buffer, with its own counters and sum tree), and nothing
+    crosses devices: a compiled per-device step has no collective over stored data. Inside
+    `shard_map` with `in_specs=P(axis_name)` a device sees its copy with a leading axis of
+    1: `jax.tree.map(lambda x: x[0], tree)` is its buffer, and `x[None]` puts it back.
+    Outside, `eqx.filter_vmap` over the leading axis runs every device's copy at once (under
+    `jit`, each on its own device).
+
+    Compare [`equibuffer.shard_rows`][]: one buffer whose rows are split over the devices,
+    sampled by one global law (or per device with `row_blocks`), for code written for the
+    whole mesh rather than per device.
+
+    **Arguments:**
+
+    - `tree`: the buffer or state one device holds; its non-array leaves are kept as they
+        are (they are the same on every device).
+    - `mesh`: a `jax.sharding.Mesh`.
+    - `axis_name`: the mesh axis to place one copy per device on; the copies are
+        replicated over the mesh's other axes.
+
+    **Returns:**
+
+    `tree` with every array `x` replaced by an array of shape `(n, *x.shape)`, `n` the size
+    of the mesh axis, split over it: device `d` holds copy `d`. No device holds more than
+    its own copy at any time (each is placed from `x` directly).
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+        from functools import partial
+        from jax.sharding import PartitionSpec as P
+
+        n = jax.device_count()
+        mesh = jax.make_mesh((n,), ("envs",))
+        buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(3)}, add_batch_size=4,
+                                     max_length_time_axis=16, sequence_length=4)
+        buffers = eb.per_device(buffer, mesh, "envs")  # one buffer of 4 rows per device
+
+        @jax.jit
+        @partial(jax.shard_map, mesh=mesh, in_specs=P("envs"), out_specs=P("envs"))
+        def step(buffers, batch, keys):
+            buffer = jax.tree.map(lambda x: x[0], buffers)  # this device's buffer
+            buffer = buffer.add(batch)
+            sample = buffer.sample(keys[0], 8)
+            return jax.tree.map(lambda x: x[None], buffer), sample.experience
+
+        batch = {"obs": jnp.ones((n * 4, 5, 3))}  # 5 steps for each device's 4 rows
+        keys = jax.random.split(jax.random.key(0), n)  # one key per device
+        split = jax.sharding.NamedSharding(mesh, P("envs"))
+        buffers, obs = step(buffers, *jax.device_put((batch, keys), split))
+        assert obs["obs"].shape == (n * 8, 4, 3)  # each device's 8 windows, side by side
+        ```
+    """
+    where = "per_device()"
+    if axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"{where}: the mesh has no axis {axis_name!r}; its axes are {mesh.axis_names}."
+        )
+    devices = mesh.shape[axis_name]
+    sharding = NamedSharding(mesh, PartitionSpec(axis_name))
+
+    def place(x: Any) -> Any:
+        if not eqx.is_array(x):
+            return x
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # a key: its data, wrapped
+            data = place(jax.random.key_data(x))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        host = np.asarray(x)[None]  # each device's part is the whole copy
+
+        def part(index: Any) -> np.ndarray:
+            return host[(slice(None), *tuple(index)[1:])]
+
+        return jax.make_array_from_callback((devices, *host.shape[1:]), sharding, part)
+
+    return jax.tree.map(place, tree)

@@ -194,6 +194,48 @@ class ClusterStorage(eqx.Module):
     def gather(self, cluster: Int[Array, " batch"], slot: Int[Array, " batch"]) -> Any:
         return jax.tree.map(lambda d: d.at[cluster, slot].get(mode="promise_in_bounds"), self.data)
 
+    def gather_blocks(
+        self, cluster: Int[Array, " batch"], slot: Int[Array, " batch"], blocks: int
+    ) -> Any:
+        """`gather` of items drawn by blocks of slots (the `d`-th `batch / blocks` items all
+        in block `d`, see `held_in_blocks`): one gather batched over the blocks, each
+        reading its own run of every cluster's slots, so with the slots split over devices
+        (`shard_rows`) every device gathers its block from the slots it holds and nothing
+        crosses devices."""
+        width = self.cluster_capacity // blocks
+        cluster, slot = cluster.reshape(blocks, -1), slot.reshape(blocks, -1)
+        local = slot - (jnp.arange(blocks, dtype=jnp.int32) * width)[:, None]
+        where = jnp.stack([cluster, local], axis=-1)
+
+        def take(x: Array) -> Array:
+            x = x.reshape(self.num_clusters, blocks, width, *x.shape[2:])
+            numbers = jax.lax.GatherDimensionNumbers(
+                offset_dims=tuple(range(2, x.ndim - 1)),
+                collapsed_slice_dims=(0, 2),
+                start_index_map=(0, 2),
+                operand_batching_dims=(1,),
+                start_indices_batching_dims=(0,),
+            )
+            out = jax.lax.gather(
+                x,
+                where,
+                numbers,
+                (1, 1, 1, *x.shape[3:]),
+                mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+            )
+            return out.reshape(-1, *out.shape[2:])
+
+        return jax.tree.map(take, self.data)
+
+    def held_in_blocks(self, blocks: int) -> Int[Array, "blocks clusters"]:
+        """The number of items each cluster holds in each of `blocks` equal runs of its
+        slots (block `d`: slots `[d * w, (d + 1) * w)`, `w = cluster_capacity / blocks`).
+        A cluster's ring fills from slot 0 and wraps only once full (its head is its fill
+        until then), so the slots it holds are always `[0, fill)`."""
+        width = self.cluster_capacity // blocks
+        start = (jnp.arange(blocks, dtype=jnp.int32) * width)[:, None]
+        return jnp.clip(self.fill[None, :] - start, 0, width)
+
     def numbers(
         self, cluster: Int[Array, " batch"], slot: Int[Array, " batch"]
     ) -> tuple[Bool[Array, " batch"], Steps]:
@@ -217,11 +259,33 @@ def cluster_draw(
     return jax.random.categorical(key, jnp.log(shares), shape=(batch_size,)).astype(jnp.int32)
 
 
-def _nothing_held(where: str) -> str:
+def cluster_draw_blocks(
+    key: PRNGKeyArray, shares: Float[Array, "blocks clusters"], per: int
+) -> Int[Array, "blocks per"]:
+    """`per` clusters drawn independently for each block `d`, in proportion to
+    `shares[d]`."""
+    logits = jnp.log(shares)[:, None, :]
+    return jax.random.categorical(key, logits, shape=(shares.shape[0], per)).astype(jnp.int32)
+
+
+def _nothing_held(where: str, blocks: int = 1) -> str:
+    if blocks > 1:
+        return (
+            f"{where}: in one of the row_blocks={blocks} blocks of slots, no cluster of "
+            "positive weight holds an item yet (block d is the d-th of row_blocks equal runs "
+            "of every cluster's slots, and a cluster fills its slots from the first: the "
+            "last blocks hold items once the clusters are that full). Add data first, or "
+            "sample with fewer row_blocks."
+        )
     return (
         f"{where}: no cluster of positive weight holds an item yet. Add data first, or check "
         "`buffer.can_sample()` and the weights."
     )
+
+
+def _in_block(values: Array, cluster: Int[Array, "blocks per"]) -> Array:
+    """`values[d, cluster[d, i]]` for `values` shaped `(blocks, clusters)`."""
+    return jnp.take_along_axis(values, cluster, axis=1)
 
 
 class AbstractClusterRule(eqx.Module):
@@ -245,9 +309,13 @@ class UniformInCluster(AbstractClusterRule):
         batch_size: int,
         shares: Float[Array, " clusters"],
         where: str,
+        blocks: int = 1,
     ) -> tuple[Int[Array, " batch"], Int[Array, " batch"], Steps]:
         """`(cluster, slot, number)` of `batch_size` items: a cluster among those holding
-        items by `shares`, then an item uniformly in it."""
+        items by `shares`, then an item uniformly in it. With `blocks > 1` the `d`-th
+        `batch_size / blocks` items are drawn so inside block `d` of the slots."""
+        if blocks > 1:
+            return self._draw_blocks(storage, key, batch_size, shares, where, blocks)
         cap = storage.cluster_capacity
         w = jnp.where(storage.fill > 0, shares, 0.0)
         key_c, key_i = jax.random.split(key)
@@ -258,6 +326,30 @@ class UniformInCluster(AbstractClusterRule):
         j = jnp.minimum((u * fill.astype(jnp.float32)).astype(jnp.int32), fill - 1)
         slot = (storage.head[cluster] - fill + j + cap) % cap
         number = storage.count[cluster] - fill.astype(jnp.uint32) + j.astype(jnp.uint32)
+        return cluster, slot, number
+
+    def _draw_blocks(
+        self,
+        storage: ClusterStorage,
+        key: PRNGKeyArray,
+        batch_size: int,
+        shares: Float[Array, " clusters"],
+        where: str,
+        blocks: int,
+    ) -> tuple[Int[Array, " batch"], Int[Array, " batch"], Steps]:
+        held = storage.held_in_blocks(blocks)
+        w = jnp.where(held > 0, shares[None, :], 0.0)
+        key_c, key_i = jax.random.split(key)
+        per = batch_size // blocks
+        cluster = cluster_draw_blocks(key_c, w, per)
+        cluster = error_if(cluster, ~jnp.all(jnp.sum(w, axis=1) > 0), _nothing_held(where, blocks))
+        n = _in_block(held, cluster)
+        u = jax.random.uniform(key_i, (blocks, per), jnp.float32)
+        j = jnp.minimum((u * n.astype(jnp.float32)).astype(jnp.int32), n - 1)
+        width = storage.cluster_capacity // blocks
+        slot = (jnp.arange(blocks, dtype=jnp.int32) * width)[:, None] + j
+        cluster, slot = cluster.reshape(-1), slot.reshape(-1)
+        _, number = storage.numbers(cluster, slot)
         return cluster, slot, number
 
 
@@ -297,9 +389,14 @@ class PrioritisedInCluster(AbstractClusterRule):
         shares: Float[Array, " clusters"],
         beta: Float[Array, ""],
         where: str,
+        blocks: int = 1,
     ) -> Drawn:
         """A cluster among those holding an item of positive priority, by `shares`; then an
-        item of it in proportion to its leaf. One check for the three ways to fail."""
+        item of it in proportion to its leaf. One check for the three ways to fail. With
+        `blocks > 1` the `d`-th `batch_size / blocks` items are drawn so inside block `d` of
+        the slots, with that block's probabilities and weights."""
+        if blocks > 1:
+            return self._draw_blocks(storage, key, batch_size, shares, beta, where, blocks)
         totals = self.totals()
         held = jnp.where(storage.fill > 0, shares, 0.0)
         w = jnp.where(totals > 0, held, 0.0)
@@ -334,6 +431,58 @@ class PrioritisedInCluster(AbstractClusterRule):
         # (n_c P(i | c))^-beta / max_j (n_c P(j | c))^-beta, as a ratio to the smallest (>= 1).
         scaled = storage.fill[cluster].astype(jnp.float32) * within
         weights = (scaled / jnp.min(scaled)) ** -beta
+        _, number = storage.numbers(cluster, slot)
+        return Drawn(cluster, slot, number, probabilities, weights)
+
+    def _draw_blocks(
+        self,
+        storage: ClusterStorage,
+        key: PRNGKeyArray,
+        batch_size: int,
+        shares: Float[Array, " clusters"],
+        beta: Float[Array, ""],
+        where: str,
+        blocks: int,
+    ) -> Drawn:
+        # (blocks, clusters): each cluster's items and total `p ** alpha` in each block.
+        items = storage.held_in_blocks(blocks)
+        totals = jnp.stack([tree.block_totals(blocks) for tree in self.trees], axis=1)
+        held = jnp.where(items > 0, shares[None, :], 0.0)
+        w = jnp.where(totals > 0, held, 0.0)
+        key_c, key_i = jax.random.split(key)
+        per = batch_size // blocks
+        cluster = cluster_draw_blocks(key_c, w, per)
+        u = jax.random.uniform(key_i, (blocks, per), jnp.float32)
+        # As for one block: every tree searched (inside each block) for every draw, the one
+        # of the drawn cluster kept.
+        found = [tree.search_blocks(u * totals[:, c, None]) for c, tree in enumerate(self.trees)]
+        pick = cluster[None]
+        slot = jnp.take_along_axis(jnp.stack([f for f, _ in found]), pick, axis=0)[0]
+        leaf = jnp.take_along_axis(jnp.stack([v for _, v in found]), pick, axis=0)[0]
+        slot, leaf = jax.lax.optimization_barrier((slot, leaf))
+        every_held = jnp.all(jnp.sum(held, axis=1) > 0)
+        failure = jnp.where(every_held, jnp.where(jnp.all(jnp.sum(w, axis=1) > 0), 2, 1), 0)
+        cluster = branched_error_if(
+            cluster,
+            (failure < 2) | (beta < 0) | ~jnp.isfinite(beta),
+            failure,
+            [
+                _nothing_held(where, blocks),
+                f"{where}: in one of the row_blocks={blocks} blocks of slots, every item held "
+                "in the clusters of positive weight has priority 0, so there is nothing to "
+                "draw there. Give some of its items a positive priority with "
+                "`set_priorities`, add data (new items enter at the largest priority seen), "
+                "or sample with fewer row_blocks.",
+                f"{where}: `beta` must be finite and >= 0.",
+            ],
+        )
+        within = leaf / _in_block(totals, cluster)
+        probabilities = _in_block(w, cluster) / jnp.sum(w, axis=1, keepdims=True) * within
+        scaled = _in_block(items, cluster).astype(jnp.float32) * within
+        weights = (scaled / jnp.min(scaled, axis=1, keepdims=True)) ** -beta
+        cluster, slot, probabilities, weights = (
+            x.reshape(-1) for x in (cluster, slot, probabilities, weights)
+        )
         _, number = storage.numbers(cluster, slot)
         return Drawn(cluster, slot, number, probabilities, weights)
 
@@ -438,6 +587,25 @@ class AbstractClusteredBuffer(AbstractReplayBuffer):
     def cluster_capacity(self) -> int:
         """The number of items each cluster holds."""
         return self.storage.cluster_capacity
+
+    def _row_blocks(self, where: str, row_blocks: int, batch_size: int) -> int:
+        """`row_blocks` checked: a positive int dividing `cluster_capacity` and
+        `batch_size`."""
+        row_blocks = check_positive_int(where, "row_blocks", row_blocks)
+        for name, n in (("cluster_capacity", self.cluster_capacity), ("batch_size", batch_size)):
+            if n % row_blocks:
+                raise ValueError(
+                    f"{where}: row_blocks={row_blocks} must divide {name}={n} (block d of "
+                    "every cluster's slots gets batch_size / row_blocks of the draws)."
+                )
+        return row_blocks
+
+    def _gather(
+        self, cluster: Int[Array, " batch"], slot: Int[Array, " batch"], blocks: int
+    ) -> Any:
+        if blocks == 1:
+            return self.storage.gather(cluster, slot)
+        return self.storage.gather_blocks(cluster, slot, blocks)
 
     def _shares(self) -> Float[Array, " clusters"]:
         """The clusters' weights, before renormalising over those that can be drawn."""
@@ -639,13 +807,25 @@ class ClusteredBuffer(AbstractClusteredBuffer):
         self.cluster_fn = cluster_fn
         self.rule = UniformInCluster()  # pyright: ignore[reportIncompatibleVariableOverride]
 
-    def sample(self, key: PRNGKeyArray, batch_size: int) -> ClusteredSample:
+    def sample(self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1) -> ClusteredSample:
         """Draw `batch_size` items (with replacement, independently): for each, a cluster
         among those holding items, uniformly or by `weights` (renormalised over them), then an
         item uniformly in that cluster.
 
+        **Arguments:**
+
+        - `key`: a JAX PRNG key.
+        - `batch_size`: the number of items drawn (static).
+        - `row_blocks`: `n >= 1` dividing `cluster_capacity` and `batch_size` (static).
+            Every cluster's slots are cut into `n` equal runs, block `d` being the `d`-th run
+            of every cluster (what `shard_rows` puts on device `d` of an `n`-device mesh
+            axis), and the `d`-th `batch_size / n` items are drawn by the rule above
+            restricted to block `d`: a cluster among those holding items in it, by
+            `weights` renormalised over them, then uniformly among that cluster's items in
+            it (see [Scaling](../scaling.md)). Default 1: all slots.
+
         Raises inside jit (through `eqx.error_if`) when no cluster of positive weight holds
-        an item.
+        an item (with `row_blocks`, in one of the blocks).
 
         !!! example
 
@@ -662,9 +842,12 @@ class ClusteredBuffer(AbstractClusteredBuffer):
         """
         where = "ClusteredBuffer.sample()"
         batch_size = check_positive_int(where, "batch_size", batch_size)
-        cluster, slot, number = self.rule.draw(self.storage, key, batch_size, self._shares(), where)
+        blocks = self._row_blocks(where, row_blocks, batch_size)
+        cluster, slot, number = self.rule.draw(
+            self.storage, key, batch_size, self._shares(), where, blocks
+        )
         return ClusteredSample(
-            experience=self.storage.gather(cluster, slot),
+            experience=self._gather(cluster, slot, blocks),
             indices=cluster * self.cluster_capacity + slot,
             steps=number,
             cluster=cluster,
@@ -777,6 +960,8 @@ class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSou
         key: PRNGKeyArray,
         batch_size: int,
         beta: float | Float[ArrayLike, ""] = 1.0,
+        *,
+        row_blocks: int = 1,
     ) -> PrioritisedClusteredSample:
         """Draw `batch_size` items (with replacement, independently) by the law in the class
         docstring: a cluster by `weights` among those holding an item of positive priority,
@@ -787,6 +972,17 @@ class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSou
         - `key`: a JAX PRNG key.
         - `batch_size`: the number of items drawn (static).
         - `beta`: the importance-sampling exponent, `>= 0` (a float or a 0-d array).
+        - `row_blocks`: `n >= 1` dividing `cluster_capacity` and `batch_size` (static).
+            Every cluster's slots are cut into `n` equal runs, block `d` being the `d`-th run
+            of every cluster (what `shard_rows` puts on device `d` of an `n`-device mesh
+            axis), and the `d`-th `batch_size / n` items are drawn by the law above
+            restricted to block `d`: `P_d(i) = w_c / sum_{c' in D_d} w_c' * p_i**alpha /
+            T_{c,d}`, `T_{c,d}` the sum of `p**alpha` over cluster `c`'s slots in block `d`
+            and `D_d` the clusters of positive weight holding an item of positive priority
+            there. `probabilities` are these, and `weights` use `n_{c,d}` (the items cluster
+            `c` holds in block `d`) and are normalised by the largest of their block: each
+            block is the sample its device would draw from its own slots (see
+            [Scaling](../scaling.md)). Default 1: all slots.
 
         **Returns:**
 
@@ -794,7 +990,8 @@ class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSou
         `cluster`, `probabilities` and `weights`.
 
         Raises inside jit (through `eqx.error_if`) when no cluster of positive weight holds an
-        item, or when every item they hold has priority 0.
+        item, or when every item they hold has priority 0 (with `row_blocks`, in one of the
+        blocks).
 
         !!! example
 
@@ -814,9 +1011,12 @@ class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSou
         where = "PrioritisedClusteredBuffer.sample()"
         batch_size = check_positive_int(where, "batch_size", batch_size)
         exponent = check_beta(where, beta)
-        drawn = self.rule.draw(self.storage, key, batch_size, self._shares(), exponent, where)
+        blocks = self._row_blocks(where, row_blocks, batch_size)
+        drawn = self.rule.draw(
+            self.storage, key, batch_size, self._shares(), exponent, where, blocks
+        )
         return PrioritisedClusteredSample(
-            experience=self.storage.gather(drawn.cluster, drawn.slot),
+            experience=self._gather(drawn.cluster, drawn.slot, blocks),
             indices=drawn.cluster * self.cluster_capacity + drawn.slot,
             steps=drawn.number,
             probabilities=drawn.probabilities,

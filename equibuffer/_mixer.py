@@ -29,6 +29,10 @@ class MixedSample(eqx.Module):
         [`equibuffer.Mixer.set_priorities`][] routes back. Their `experience` is `None`:
         those rows are in `experience` (not held twice, so a `MixedSample` returned from a
         jitted step carries the batch once).
+    - `row_blocks`: the `row_blocks` it was drawn with (static). With `n > 1` the rows
+        above are in `n` blocks rather than source by source: block `d` holds block `d` of
+        source 0's own sample (`counts[0] / n` rows), then block `d` of source 1's, and so
+        on; each source's sample in `samples` is its own, blocks in order.
 
     !!! example
 
@@ -49,6 +53,7 @@ class MixedSample(eqx.Module):
     source: Int[Array, " batch"]
     weights: Float[Array, " batch"]
     samples: tuple["Sample | MixedSample | None", ...]
+    row_blocks: int = eqx.field(static=True, default=1)
 
 
 def largest_remainder(proportions: Sequence[float], batch_size: int) -> tuple[int, ...]:
@@ -61,6 +66,17 @@ def largest_remainder(proportions: Sequence[float], batch_size: int) -> tuple[in
     for i in order[:left]:
         counts[i] += 1
     return tuple(counts)
+
+
+def _join(parts: Sequence[Array], blocks: int) -> Array:
+    """The sources' `(n_i, ...)` parts as one `(sum n_i, ...)` array: one after the other, or
+    with `blocks > 1` block by block (block `d` of each part in turn), each block's rows
+    staying where the parts' block `d` are (on a mesh, on device `d`)."""
+    if blocks == 1:
+        return jnp.concatenate(parts, axis=0)
+    split = [x.reshape(blocks, x.shape[0] // blocks, *x.shape[1:]) for x in parts]
+    joined = jnp.concatenate(split, axis=1)
+    return joined.reshape(-1, *joined.shape[2:])
 
 
 class Mixer(AbstractPrioritisedSource):
@@ -192,7 +208,12 @@ class Mixer(AbstractPrioritisedSource):
         return jnp.sum(jnp.stack([b.size() for b in self.buffers]), dtype=jnp.int32)
 
     def sample(
-        self, key: PRNGKeyArray, batch_size: int, beta: float | Float[ArrayLike, ""] = 1.0
+        self,
+        key: PRNGKeyArray,
+        batch_size: int,
+        beta: float | Float[ArrayLike, ""] = 1.0,
+        *,
+        row_blocks: int = 1,
     ) -> MixedSample:
         """Draw `counts(batch_size)[i]` rows from source `i`, each source with its own
         `sample` (independent keys), and concatenate them in source order.
@@ -202,6 +223,13 @@ class Mixer(AbstractPrioritisedSource):
         - `key`: a JAX PRNG key.
         - `batch_size`: the total number of rows (static).
         - `beta`: the importance-sampling exponent passed to prioritised sources.
+        - `row_blocks`: `n >= 1` dividing every source's share `counts(batch_size)[i]`
+            (static; a share of 0 is skipped, and `n` then divides `batch_size` too). Each
+            source draws its share with its own `sample(..., row_blocks=n)`, and block `d`
+            of the mix is block `d` of every source's sample, in source order: `counts[i] /
+            n` rows drawn from what `shard_rows` puts on device `d` of source `i`, by that
+            source's rule. So each block is the mix device `d` would draw on its own, in the
+            same proportions (see [Scaling](../scaling.md)). Default 1: the whole sources.
 
         **Returns:**
 
@@ -224,6 +252,9 @@ class Mixer(AbstractPrioritisedSource):
             ```
         """
         counts = self.counts(batch_size)
+        blocks = self._row_blocks(row_blocks, batch_size, counts)
+        # (a source is asked for `row_blocks` only when it is used: 1 is every source's default)
+        by_blocks = {} if blocks == 1 else {"row_blocks": blocks}
         keys = jax.random.split(key, len(self.buffers))
         samples: list[Any] = []
         weights: list[Array] = []
@@ -231,23 +262,22 @@ class Mixer(AbstractPrioritisedSource):
             if n == 0:
                 samples.append(None)
             elif isinstance(buffer, AbstractPrioritisedSource):
-                samples.append(buffer.sample(keys[i], n, beta=beta))
+                samples.append(buffer.sample(keys[i], n, beta=beta, **by_blocks))
                 weights.append(samples[-1].weights.astype(jnp.float32))
             else:
-                samples.append(buffer.sample(keys[i], n))
+                samples.append(buffer.sample(keys[i], n, **by_blocks))
                 weights.append(jnp.ones(n, jnp.float32))
         drawn = [(i, s) for i, s in enumerate(samples) if s is not None]
         self._check_alike([(i, s.experience) for i, s in drawn])
-        experience = jax.tree.map(
-            lambda *xs: jnp.concatenate(xs, axis=0), *[s.experience for _, s in drawn]
-        )
-        source = jnp.concatenate([jnp.full(counts[i], i, jnp.int32) for i, _ in drawn])
+        experience = jax.tree.map(lambda *xs: _join(xs, blocks), *[s.experience for _, s in drawn])
+        source = _join([jnp.full(counts[i], i, jnp.int32) for i, _ in drawn], blocks)
         samples = [None if s is None else dataclasses.replace(s, experience=None) for s in samples]
         return MixedSample(
             experience=experience,
             source=source,
-            weights=jnp.concatenate(weights),
+            weights=_join(weights, blocks),
             samples=tuple(samples),
+            row_blocks=blocks,
         )
 
     def set_priorities(
@@ -282,13 +312,30 @@ class Mixer(AbstractPrioritisedSource):
                 f"({batch},), one per row of the sample."
             )
         buffers = list(self.buffers)
+        # Source i's rows: one run per block of the mix (one block unless `row_blocks > 1`).
+        blocks = sample.row_blocks
+        by_block = priorities.reshape(blocks, batch // blocks)
         start = 0
         for i, (buffer, n) in enumerate(zip(self.buffers, self.counts(batch), strict=True)):
             part = sample.samples[i]
             if part is not None and isinstance(buffer, AbstractPrioritisedSource):
-                buffers[i] = buffer.set_priorities(part, priorities[start : start + n])
-            start += n
+                own = by_block[:, start : start + n // blocks].reshape(-1)
+                buffers[i] = buffer.set_priorities(part, own)
+            start += n // blocks
         return eqx.tree_at(lambda m: m.buffers, self, tuple(buffers))
+
+    @staticmethod
+    def _row_blocks(row_blocks: int, batch_size: int, counts: tuple[int, ...]) -> int:
+        """`row_blocks` checked: a positive int dividing every source's share."""
+        where = "Mixer.sample()"
+        row_blocks = check_positive_int(where, "row_blocks", row_blocks)
+        if any(n % row_blocks for n in counts):
+            raise ValueError(
+                f"{where}: row_blocks={row_blocks} must divide every source's share of the "
+                f"batch, counts(batch_size={batch_size}) = {counts} (block d of the mix is "
+                "block d of each source's own sample, counts[i] / row_blocks rows of source i)."
+            )
+        return row_blocks
 
     @staticmethod
     def _check_alike(experiences: list[tuple[int, Any]]) -> None:

@@ -65,11 +65,14 @@ class AbstractSource(eqx.Module):
         """The number of steps (or items) held (0-d int32)."""
 
     @abc.abstractmethod
-    def sample(self, key: PRNGKeyArray, batch_size: int) -> Any:
+    def sample(self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1) -> Any:
         """Draw `batch_size` elements (with replacement). A buffer returns a
         [`equibuffer.Sample`][] (or a subclass: `experience`, `indices`, `steps`, ...); a
         `Mixer` returns a [`equibuffer.MixedSample`][]. Raises inside jit (through
-        `eqx.error_if`) when it cannot be sampled."""
+        `eqx.error_if`) when it cannot be sampled. With `row_blocks=n` (static) the sample is
+        cut into `n` equal blocks, block `d` drawn only from what `shard_rows` puts on device
+        `d` of an `n`-device mesh axis, by the source's own rule (see
+        [Scaling](../scaling.md))."""
 
 
 class AbstractPrioritisedSource(AbstractSource):
@@ -106,10 +109,16 @@ class AbstractPrioritisedSource(AbstractSource):
 
     @abc.abstractmethod
     def sample(
-        self, key: PRNGKeyArray, batch_size: int, beta: float | Float[ArrayLike, ""] = 1.0
+        self,
+        key: PRNGKeyArray,
+        batch_size: int,
+        beta: float | Float[ArrayLike, ""] = 1.0,
+        *,
+        row_blocks: int = 1,
     ) -> Any:
         """Draw `batch_size` elements by priority; the sample carries importance `weights`
-        with exponent `beta` (`>= 0`; a float or a 0-d array)."""
+        with exponent `beta` (`>= 0`; a float or a 0-d array). `row_blocks` as for
+        [`equibuffer.AbstractSource.sample`][]."""
 
     @abc.abstractmethod
     def set_priorities(

@@ -342,7 +342,7 @@ class RateLimited(eqx.Module):
         )
 
     def sample(
-        self, key: PRNGKeyArray, batch_size: int, **kwargs: Any
+        self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1, **kwargs: Any
     ) -> tuple["RateLimited", Sample]:
         """Sample the wrapped buffer and take `batch_size` off the credit.
 
@@ -350,6 +350,12 @@ class RateLimited(eqx.Module):
 
         - `key`: a JAX PRNG key.
         - `batch_size`: the number of windows drawn (static).
+        - `row_blocks`: passed on to the buffer's `sample` (static): with `n > 1` each of
+            `n` blocks of the sample is drawn from its own block of rows (or, for a
+            clustered buffer, of every cluster's slots), the per-device sampling of a
+            sharded buffer (see [Scaling](../scaling.md)); the buffer checks what `n` must
+            divide. The credit still drops by the whole `batch_size`: the limiter counts
+            windows, wherever they come from.
         - `**kwargs`: passed on to the buffer's `sample` (e.g. `beta=0.4` for a prioritised
             buffer).
 
@@ -376,7 +382,7 @@ class RateLimited(eqx.Module):
         """
         where = f"{type(self).__name__}.sample()"
         batch_size = self._batch_size(where, batch_size)
-        sample = self.buffer.sample(key, batch_size, **kwargs)
+        sample = self.buffer.sample(key, batch_size, row_blocks=row_blocks, **kwargs)
         new_whole = error_if(
             self.credit_whole - batch_size,
             self.credit_whole - batch_size < -_GUARD,

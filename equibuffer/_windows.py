@@ -142,3 +142,21 @@ def gather_steps(
         )
 
     return [step(j) for j in range(sequence_length)]
+
+
+def gather_slots(
+    storage: RingStorage, slots: Int[Array, " sequence"]
+) -> PyTree[Shaped[Array, "rows sequence ..."]]:
+    """The steps at `slots` of every row, leaves `(rows, len(slots), *leaf)`: a gather
+    batched over the rows, each row indexing its own steps. With the rows split over devices
+    (`shard_rows`) every device reads its own rows and the result stays split like them (a
+    flat `gather` of the same windows is combined across devices); on one device it is one
+    gather of the same elements. The slots are broadcast to every row on purpose: unbatched,
+    they would make the rows a pass-through axis of the gather, which comes out time-major
+    and costs a transposing copy."""
+    per_row = jnp.broadcast_to(slots, (storage.rows, *slots.shape))
+
+    def take(leaf: Array) -> Array:
+        return jax.vmap(lambda row, i: row.at[i].get(mode="promise_in_bounds"))(leaf, per_row)
+
+    return jax.tree.map(take, storage.data)

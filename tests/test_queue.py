@@ -201,3 +201,21 @@ def test_vmapped_queues():
     queues, t = go(queues, jnp.arange(3, dtype=jnp.int32))
     np.testing.assert_array_equal(np.asarray(t)[:, 0], [[0, 1], [1, 2], [2, 3]])
     np.testing.assert_array_equal(np.asarray(queues.unread), [1, 1, 1])
+
+
+def test_one_device_sample_is_one_gather_per_leaf():
+    """The row-by-row gather (which keeps a sharded queue's rows on their devices) compiles on
+    one device to one gather of the `rows * sequence_length` steps per leaf, with no
+    transposing copy: the one-device program does no more work than a flat gather."""
+    queue = Queue(_example(), add_batch_size=16, max_length_time_axis=64, sequence_length=3)
+    queue = _add(queue, _batch(16, 0, 5))
+    arrays, static = eqx.partition(queue, eqx.is_array)
+
+    def sample(arrays):
+        return eqx.partition(eqx.combine(arrays, static).sample()[1], eqx.is_array)[0]
+
+    hlo = jax.jit(sample).lower(arrays).compile().as_text()
+    gathers = [line for line in hlo.splitlines() if " gather(" in line]
+    assert len(gathers) == 2, gathers  # "obs" and "t"
+    assert all("[48," in line for line in gathers), gathers  # 16 rows * 3 steps, one go
+    assert " transpose(" not in hlo

@@ -1,6 +1,9 @@
 """Every kind of buffer sharded over 8 devices (`shard_rows`): a donated jitted step adds and
 samples, keeps the placement and gives the one-device results; and the compiled add and
-sample move no stored experience between devices (no collective of storage size).
+sample move no stored experience between devices (no collective of storage size). The same
+with `sample(..., row_blocks=8)` for the clustered buffers, the `Mixer` and `RateLimited`,
+whose block sample then moves nothing but scalars and stays split over the devices, as the
+`Queue`'s sample does.
 
 Run in one subprocess with eight host CPU devices (the test process has one); it prints one
 line per kind as it finishes."""
@@ -27,6 +30,7 @@ SCRIPT = textwrap.dedent(
     n = 8
     mesh = jax.make_mesh((n,), ("envs",), axis_types=(AxisType.Auto,))
     R, L, B = 16, 512, 8  # rows, steps per row, batch: a sample is far smaller than a shard
+    BB = 32  # the batch of a row_blocks=8 sample (the mixer's shares 8 and 24: 8 divides both)
     ex = {"obs": jnp.zeros(4), "reward": jnp.float32(0), "terminated": jnp.bool_(False),
           "truncated": jnp.bool_(False)}
 
@@ -70,33 +74,48 @@ SCRIPT = textwrap.dedent(
             return eqx.tree_at(lambda m: m.buffers, buffer, added)
         return buffer.add(b)
 
-    def sample(buffer, key):
+    def draw(buffer, key, blocks=1):  # the plain sample (of B, or of BB by blocks)
+        kw = {} if blocks == 1 else {"row_blocks": blocks}
+        size = B if blocks == 1 else BB
+        if isinstance(buffer, eb.AbstractPrioritisedSource):
+            kw["beta"] = 0.5
+        return buffer.sample(key, size, **kw)
+
+    def sample(buffer, key, blocks=1):
         if isinstance(buffer, eb.Queue):
             return buffer.sample()
         if isinstance(buffer, eb.RateLimited):
-            return buffer.sample(key, B)
+            return draw(buffer, key, blocks)
         if isinstance(buffer, eb.AbstractPrioritisedSource):
-            s = buffer.sample(key, B, beta=0.5)
+            s = draw(buffer, key, blocks)
             return buffer.set_priorities(s, s.weights + 1.0), s
-        return buffer, buffer.sample(key, B)
+        return buffer, draw(buffer, key, blocks)
 
     @eqx.filter_jit(donate="all-except-first")
-    def step(key, buffer, b):
-        return sample(add(buffer, b), key)
+    def step(key, buffer, b, blocks):
+        return sample(add(buffer, b), key, blocks)
+
+    @eqx.filter_jit(donate="all")
+    def prefill(buffer, b):
+        return add(buffer, b)
 
     def shards(tree):
         return [l for l in jax.tree.leaves(tree) if l.sharding.spec != P()]
 
-    def check(name, build):
+    def check(name, build, blocks=1, fill=0):
         one, split = build(), eb.shard_rows(build(), mesh, "envs")
         stored = shards(split)
         assert stored, name  # something is split
+        if fill:  # `fill` steps per row first (the clustered blocks: items in every block)
+            one = prefill(one, batch(-1, fill))
+            put = jax.device_put(batch(-1, fill), NamedSharding(mesh, P("envs")))
+            split = prefill(split, put)
         for i in range(4):
             key = jax.random.key(i)
             b = batch(i)
-            one, s1 = step(key, one, b)
+            one, s1 = step(key, one, b, blocks)
             b = jax.device_put(b, NamedSharding(mesh, P("envs")))
-            split, s2 = step(key, split, b)
+            split, s2 = step(key, split, b, blocks)
             for x, y in zip(jax.tree.leaves((one, s1)), jax.tree.leaves((split, s2))):
                 np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6,
                                            err_msg=name)
@@ -105,17 +124,31 @@ SCRIPT = textwrap.dedent(
                           [l.shape for l in jax.tree.leaves(split)])
         shard = max(l.size // n for l in shards(split))  # one device's part of a stored leaf
         b = jax.device_put(batch(9), NamedSharding(mesh, P("envs")))
+        key = jax.random.key(0)
+        alone = draw if not isinstance(split, eb.Queue) else lambda q, k, blocks: q.sample()[1]
         return {"kind": name, "shard": shard, "add": moved(add, split, b),
-                "sample": moved(sample, split, jax.random.key(0)),
+                "sample": moved(lambda x, k: sample(x, k, blocks), split, key),
+                "alone": moved(lambda x, k: alone(x, k, blocks), split, key),
+                "split": all(l.sharding.spec == P("envs")
+                             for l in jax.tree.leaves(s2.experience)),
                 "batch": max(l.size for l in jax.tree.leaves(b)),
                 "drawn": max(l.size for l in jax.tree.leaves(s2.experience))}
 
-    for name, build in KINDS.items():
+    def run(name, *args, **kw):
         try:
-            result = check(name, build)
+            result = check(name, *args, **kw)
         except Exception as e:
             result = {"kind": name, "error": f"{type(e).__name__}: {e}"[:2000]}
         print(json.dumps(result), flush=True)
+
+    for name, build in KINDS.items():
+        run(name, build)
+    # row_blocks=8: block d of the sample from device d's part. The clustered buffers are
+    # filled first (128 steps of 16 rows: every cluster full), so that every block of every
+    # cluster's slots holds items.
+    for name in ("clustered", "prioritised_clustered", "mixer", "rate_limited"):
+        fill = 128 if "clustered" in name else 0
+        run(f"{name}_blocks", KINDS[name], blocks=n, fill=fill)
 
     uneven = eb.ClusteredBuffer(ex, add_batch_size=R, num_clusters=3, cluster_capacity=12,
                                 cluster_fn=cluster_of)
@@ -131,24 +164,54 @@ KINDS = [
     *("prioritised_episodes", "n_step", "queue", "clustered", "prioritised_clustered"),
     *("mixer", "rate_limited"),
 ]
+BLOCK_KINDS = ["clustered", "prioritised_clustered", "mixer", "rate_limited"]
+N = 8  # devices
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return json_lines_on_host_devices(SCRIPT, 8, timeout=400, key="kind")
+    return json_lines_on_host_devices(SCRIPT, N, timeout=900, key="kind")
+
+
+def _case(results: dict, name: str) -> dict:
+    got = results["cases"].get(name)
+    assert got is not None, f"{name} did not finish (hang or abort): {results['stderr']}"
+    assert "error" not in got, got["error"]
+    return got
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_kind_on_a_mesh_matches_one_device_and_moves_no_storage(results, kind):
-    got = results["cases"].get(kind)
-    assert got is not None, f"the kind did not finish (hang or abort): {results['stderr']}"
-    assert "error" not in got, got["error"]
+    got = _case(results, kind)
     # Only scalars and (batch, ...) results cross devices: no collective of an add is larger
     # than the batch added (the clustered buffers route its items to the devices holding their
     # slots), none of a sample larger than the sample; both far from a shard of the storage.
     assert max(got["batch"], got["drawn"]) < got["shard"], got
     assert got["add"] <= got["batch"], got
     assert got["sample"] <= got["drawn"], got
+
+
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_row_blocks_on_a_mesh_match_one_device_and_move_nothing(results, kind):
+    # The step (add, sample by blocks, set_priorities) gave the one-device results (checked
+    # in the script) and moved no storage.
+    got = _case(results, f"{kind}_blocks")
+    assert max(got["batch"], got["drawn"]) < got["shard"], got
+    assert got["add"] <= got["batch"], got
+    assert got["sample"] <= got["drawn"], got
+    # The block sample alone: each device draws and gathers its block from its own part
+    # (a few scalars at most cross devices), and the result stays split, block d on device d.
+    assert got["alone"] <= N < got["drawn"], got
+    assert got["split"], got
+
+
+def test_queue_sample_stays_split_and_moves_nothing(results):
+    got = _case(results, "queue")
+    # Each device reads its own rows' unread steps: no collective beyond scalars, and the
+    # `(rows, sequence_length, ...)` result is split over the devices like the rows.
+    assert got["sample"] <= N < got["drawn"], got
+    assert got["alone"] <= N, got
+    assert got["split"], got
 
 
 def test_cluster_capacity_must_split_evenly(results):

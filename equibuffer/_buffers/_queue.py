@@ -9,7 +9,7 @@ from .._checks import check_positive_int, refuse_flashbax_only
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar
 from .._errors import error_if
 from .._ring import RingStorage
-from .._windows import gather
+from .._windows import gather_slots
 from ._base import AbstractRingHolder, Sample, update_storage, UpdateFn
 from ._sizes import SizeArgs
 
@@ -262,10 +262,9 @@ class Queue(AbstractRingHolder):
         indices = rows * length + slot
         step = storage.count_lo - unread.astype(jnp.uint32)
         steps = jnp.broadcast_to(step, (storage.rows,))
-        # The windows' steps by their flat indices, as the buffers gather them: the result
-        # comes out `(rows, s, *leaf)` in row-major order (an index along the time axis,
-        # `x[:, slots]`, comes out time-major and costs a transposing copy).
-        experience = gather(storage, indices, s)
+        # The same `s` slots of every row, gathered row by row: `(rows, s, *leaf)`, and on a
+        # mesh each device reads its own rows (the result stays split like the storage).
+        experience = gather_slots(storage, (slot + jnp.arange(s, dtype=jnp.int32)) % length)
         queue = eqx.tree_at(lambda q: q.unread, self, unread - s)
         return queue, Sample(experience=experience, indices=indices, steps=steps)
 

@@ -1,7 +1,7 @@
-"""Offline data larger than memory: reading and sampling an archive several times larger than
-the memory the reading process may use, under a real limit (a memory cgroup where this machine
-allows one, and `RLIMIT_DATA`: `benchmarks/_memory.py`), at a small scale of issue 18's 4 GB
-under 1 GB (1 GiB under 512 MiB); the throughput is `python -m benchmarks.bench_archive --larger-than-memory`'s."""
+"""Offline data larger than memory: reading and sampling an archive larger than the memory the
+reading process may use, under a real limit (a memory cgroup where this machine allows one,
+and `RLIMIT_DATA`: `benchmarks/_memory.py`), at a small scale of issue 18's 4 GB under 1 GB
+(1 GiB under 512 MiB); `python -m benchmarks.bench_archive --larger-than-memory` measures it."""
 
 import json
 import subprocess

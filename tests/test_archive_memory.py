@@ -42,14 +42,18 @@ WRITE = textwrap.dedent(
 
 READ = textwrap.dedent(
     """
-    import json, resource, sys
+    import json, sys
     import jax, numpy as np
     from equibuffer._archive import Archive
+
+    def high_water_mib():  # VmHWM: ru_maxrss would keep the forked launcher's (the parent's)
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) >> 10 for l in f if l.startswith("VmHWM:"))
 
     reader = Archive(sys.argv[1], mode="r", progress=False)
     key = jax.random.key(0)
     first = reader.sample(key, 64, 8)  # compile and warm up what sampling keeps
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB, high-water mark
+    base = high_water_mib()
     seen = 0
     for start, block in reader.iter():  # every step, block after block
         steps = block["reward"].shape[1]
@@ -59,9 +63,9 @@ READ = textwrap.dedent(
     for i in range(200):  # and random windows from anywhere
         batch = reader.sample(jax.random.fold_in(key, i), 64, 8)
         assert (batch.experience["reward"] == batch.starts[:, None] + np.arange(8)).all()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = high_water_mib()
     print(json.dumps({"steps": len(reader), "seen": seen, "data_mib": reader.nbytes()[0] >> 20,
-                      "base_mib": base >> 10, "peak_mib": peak >> 10}))
+                      "base_mib": base, "peak_mib": peak}))
     """
 )
 

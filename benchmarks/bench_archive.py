@@ -933,6 +933,8 @@ def main() -> None:
     steps = args.steps or (2**14 if args.quick else 2**17)
     block = min(args.block, steps // ROWS)
     counts = [int(n) for n in args.readers.split(",") if n]
+    if args.readers_only and not counts:
+        parser.error("--readers-only needs reader counts (--readers 1,2,4)")
     seconds = args.reader_seconds or (3.0 if args.quick else 10.0)
     folder = tempfile.mkdtemp(prefix="bench-archive-", dir=args.dir)
     try:

@@ -18,13 +18,26 @@ libraries alike. `--data random` writes incompressible steps instead of frames. 
 noisy on a shared machine; compare ratios.
 
     python -m benchmarks.bench_archive --data random --cold --codecs zstd,none   # issue 17
+
+Issue 18. The default run ends with sampling throughput with 1, 2 and 4 reader processes at
+once (`--readers 1,2,4`; `--readers-only` for that table alone), from a local directory and
+from moto's S3 server started here on loopback. `--larger-than-memory` alone writes
+`--data-gb` (4; incompressible random frames unless `--data frames`) and reads and samples all
+of it in a process limited to `--limit-gb` (1) by a memory cgroup, or `RLIMIT_DATA` where no
+cgroup can be made (`--limit-with`; `benchmarks/_memory.py`).
+
+    python -m benchmarks.bench_archive --readers-only --dtypes uint8
+    python -m benchmarks.bench_archive --larger-than-memory --cold   # 4 GB under 1 GB
 """
 
 import argparse
 import concurrent.futures
 import contextlib
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -624,6 +637,221 @@ def against(folder: str, old_dir: str, dtypes: list[str], codecs: list[str], rou
     return out
 
 
+BUCKET = "equibuffer-bench"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def moto_server() -> Iterator[dict]:
+    """moto's S3 server on 127.0.0.1 and a free port, run by this process's threads (loopback
+    only), with a bucket `BUCKET`; yields the storage options that reach it."""
+    import logging
+    import socket
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        keys = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **keys).create_bucket(
+            Bucket=BUCKET
+        )
+        yield {
+            "endpoint": endpoint,
+            "access_key_id": "bench",
+            "secret_access_key": "bench",
+            "region": "us-east-1",
+            "client_options": {"allow_http": True},
+        }
+    finally:
+        server.stop()
+
+
+def _reader_process() -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "benchmarks._archive_reader", "serve"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+
+
+def _ask(proc: subprocess.Popen, line: str) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def _answer(proc: subprocess.Popen) -> str:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"a reader process ended (exit status {proc.wait()}): see its stderr")
+    return line.strip()
+
+
+def many_readers(
+    folder: str, dtype: str, steps: int, block: int, counts: list[int], seconds: float
+) -> list[dict]:
+    """Sampling throughput with 1, 2, 4... reader processes at once, from one archive in a
+    local directory and on moto's S3 server (started here, on loopback): each reader opens
+    the archive, then (all at once) samples batches of 256 random windows of `SEQ` steps for
+    `seconds`. Totals are the sum of every reader's rate; `n / 1` is the total with n
+    readers over the total with one. The server's CPU time is this process's (moto's
+    threads; this process only waits meanwhile)."""
+    obs = observations(dtype, block)
+    blocks = max(1, steps // ROWS // block)
+    local = os.path.join(folder, f"readers-{dtype}.zarr")
+    _write_archive(local, obs, blocks)
+    out = []
+    with moto_server() as options:
+        url = f"s3://{BUCKET}/readers-{dtype}-{os.getpid()}.zarr"
+        _write_archive(url, obs, blocks, storage_options=options)
+        procs = [_reader_process() for _ in range(max(counts))]
+        try:
+            for where, store, opts in (("local", local, None), ("S3 (moto)", url, options)):
+                first = None
+                for n in counts:
+                    run = {"store": store, "options": opts, "seconds": seconds, "batch": 256}
+                    for i, proc in enumerate(procs[:n]):
+                        _ask(proc, json.dumps({**run, "seq": SEQ, "seed": i}))
+                    for proc in procs[:n]:
+                        assert _answer(proc) == "ready"
+                    c0 = time.process_time()
+                    for proc in procs[:n]:
+                        _ask(proc, "go")
+                    got = [json.loads(_answer(proc)) for proc in procs[:n]]
+                    server_cpu = time.process_time() - c0
+                    rates = [g["windows"] / g["seconds"] for g in got]
+                    mbs = [g["bytes"] / g["seconds"] / 1e6 for g in got]
+                    first = first or sum(rates)
+                    wall = max(g["seconds"] for g in got)
+                    out.append(
+                        {
+                            "dtype": dtype,
+                            "store": where,
+                            "readers": n,
+                            "windows/s": f"{sum(rates):.0f}",
+                            "MB/s": f"{sum(mbs):.1f}",
+                            "windows/s per reader": "/".join(f"{r:.0f}" for r in rates),
+                            "MB/s per reader": "/".join(f"{m:.1f}" for m in mbs),
+                            "n / 1": f"{sum(rates) / first:.2f}",
+                            "readers' CPU (cores)": f"{sum(g['cpu'] for g in got) / wall:.2f}",
+                            "server CPU (cores)": (
+                                f"{server_cpu / wall:.2f}" if opts is not None else ""
+                            ),
+                        }
+                    )
+        finally:
+            for proc in procs:
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.close()
+                proc.wait(timeout=60)
+                proc.stdout.close()
+    shutil.rmtree(local)
+    return out
+
+
+def readers_table(
+    folder: str, dtypes: list[str], steps: int, block: int, counts: list[int], seconds: float
+) -> str:
+    rows = []
+    for dtype in dtypes:
+        rows += many_readers(folder, dtype, steps, block, counts, seconds)
+    return (
+        f"\n{', '.join(map(str, counts))} reader processes at once (this machine: "
+        f"{os.cpu_count()} cores), each sampling batches of 256 windows of {SEQ} steps for "
+        f"{seconds:g} s from one archive; per reader: reader 1/reader 2/...; moto's S3 server "
+        "runs in this process, on loopback\n" + table(rows)
+    )
+
+
+def larger_than_memory(
+    folder: str,
+    dtype: str,
+    data_bytes: int,
+    limit_bytes: int,
+    how: str,
+    block: int,
+    seconds: float,
+) -> list[dict]:
+    """Write an archive of `data_bytes` (raw) of `observations` and each step's index `t`,
+    then, in a process limited to `limit_bytes` (`_memory.MemoryLimit`: a memory cgroup
+    where one can be made, else `RLIMIT_DATA`; `how` chooses), read every step of it (`iter`)
+    and sample batches of 256 random windows of `SEQ` steps from all of it for `seconds`,
+    checking `t` in both; its peak resident memory, and whether the limit held (the process
+    ended well, the kernel killed nothing) and is enforced (a process writing 1.5 times the
+    limit, run the same way, does not survive)."""
+    from ._memory import MemoryLimit
+
+    obs = observations(dtype, block)
+    step_bytes = obs[0, 0].nbytes + 4
+    blocks = max(1, -(-data_bytes // (ROWS * block * step_bytes)))
+    path = os.path.join(folder, f"large-{dtype}.zarr")
+    example = {"obs": jnp.zeros(SHAPE, obs.dtype), "t": jnp.zeros((), jnp.int32)}
+    ring = eb.RingStorage(example, rows=ROWS, length=block)
+    archive = Archive(path, ring, progress=False)
+    t_write = 0.0
+    for i in range(blocks):
+        t = np.broadcast_to(np.arange(i * block, (i + 1) * block, dtype=np.int32), (ROWS, block))
+        ring = ring_holding(ring, [np.roll(obs, i, axis=1), t], (i + 1) * block)
+        t0 = time.perf_counter()
+        archive.write(ring)
+        t_write += time.perf_counter() - t0
+    raw, stored = archive.nbytes()
+    archive.close()
+    del ring
+    evict(path)
+    argv = [sys.executable, "-m", "benchmarks._archive_reader", "whole", path]
+    argv += [str(seconds), "256", str(SEQ)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    with MemoryLimit(limit_bytes, how) as limit:
+        done = subprocess.run(
+            limit.command(argv), capture_output=True, text=True, cwd=ROOT, env=env
+        )
+        stats = limit.stats()
+        enforced = limit.enforced()
+        mechanism = limit.mechanism
+    shutil.rmtree(path)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"the reader limited to {limit_bytes / 1e9:.2f} GB by {mechanism} failed (exit "
+            f"status {done.returncode}, cgroup {stats}):\n{done.stderr[-3000:]}"
+        )
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    held = stats.get("oom_kills", 0) == 0 and got["peak_rss"] <= limit_bytes
+    gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+    rows = [
+        ("data", f"{gb(raw)} raw, {gb(stored)} stored, {got['steps']} steps x {ROWS} rows"),
+        ("limit", f"{gb(limit_bytes)} by {mechanism}"),
+        ("write (unlimited process)", mbps(raw, t_write)),
+        ("read every step (iter)", mbps(got["bytes"], got["read_s"])),
+        ("read, per CPU-second", f"{got['bytes'] / got['read_cpu'] / 1e6:.0f} MB/CPU-s"),
+        ("sample 256 x 8 steps", f"{got['windows'] / got['sample_s']:.0f} windows/s"),
+        ("sample, bytes returned", mbps(got["window_bytes"], got["sample_s"])),
+        (
+            "peak RSS (VmHWM)",
+            f"{gb(got['peak_rss'])} (after opening and one sample: {gb(got['base_rss'])})",
+        ),
+        ("VmData at the end (what RLIMIT_DATA counts)", gb(got["vm_data"])),
+    ]
+    if stats.get("peak_bytes") is not None:
+        rows.append(("cgroup peak (page cache it brought in too)", gb(stats["peak_bytes"])))
+    rows.append(("limit held", "yes" if held else f"NO (cgroup {stats})"))
+    rows.append(("limit enforced (1.5x the limit stopped)", "yes" if enforced else "NO"))
+    return [{"figure": k, "value": v} for k, v in rows]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -657,25 +885,77 @@ def main() -> None:
         help="only write against write_async in a loop with a training phase between writes",
     )
     parser.add_argument(
+        "--readers",
+        default="1,2,4",
+        help="reader processes sampling at once, local and on moto's S3 server ('' for none)",
+    )
+    parser.add_argument("--readers-only", action="store_true", help="only the table of --readers")
+    parser.add_argument(
+        "--reader-seconds",
+        type=float,
+        default=None,
+        help="how long each reader samples (default 10 s, 3 with --quick)",
+    )
+    parser.add_argument(
+        "--larger-than-memory",
+        action="store_true",
+        help="only: write --data-gb, read and sample it all in a process limited to --limit-gb",
+    )
+    parser.add_argument(
+        "--data-gb", type=float, default=None, help="raw GB written (default 4, 1 with --quick)"
+    )
+    parser.add_argument(
+        "--limit-gb",
+        type=float,
+        default=None,
+        help="the reading process's memory limit (default 1, 0.5 with --quick)",
+    )
+    parser.add_argument(
+        "--limit-with",
+        choices=("auto", "cgroup", "rlimit"),
+        default="auto",
+        help="a memory cgroup (v2 or v1) where one can be made, else RLIMIT_DATA (auto)",
+    )
+    parser.add_argument(
         "--data",
         choices=("frames", "random"),
-        default="frames",
-        help="compressible rendered frames (default) or incompressible random steps",
+        default=None,
+        help="compressible rendered frames (the default) or incompressible random steps "
+        "(the default of --larger-than-memory: as large on disk as in memory)",
     )
     parser.add_argument(
         "--cold", action="store_true", help="drop the files from the page cache before reads"
     )
     args = parser.parse_args()
     global DATA, COLD
-    DATA, COLD = args.data, args.cold
+    DATA = args.data or ("random" if args.larger_than_memory else "frames")
+    COLD = args.cold
     steps = args.steps or (2**14 if args.quick else 2**17)
     block = min(args.block, steps // ROWS)
+    counts = [int(n) for n in args.readers.split(",") if n]
+    if args.readers_only and not counts:
+        parser.error("--readers-only needs reader counts (--readers 1,2,4)")
+    seconds = args.reader_seconds or (3.0 if args.quick else 10.0)
     folder = tempfile.mkdtemp(prefix="bench-archive-", dir=args.dir)
     try:
         print(
             f"{steps} steps = {ROWS} rows x {steps // ROWS}, obs {SHAPE}, ring {block}/row, "
             f"data {DATA}, page cache {'dropped before reads' if COLD else 'kept'}"
         )
+        if args.larger_than_memory:
+            data_gb = args.data_gb or (1.0 if args.quick else 4.0)
+            limit_gb = args.limit_gb or (0.5 if args.quick else 1.0)
+            dtype = args.dtypes.split(",")[0]
+            figures = larger_than_memory(
+                folder, dtype, int(data_gb * 1e9), int(limit_gb * 1e9), args.limit_with,
+                block, seconds,
+            )  # fmt: skip
+            print(f"\nLarger than memory ({dtype}, {DATA}, 256 windows of {SEQ} steps)")
+            print(table(figures), flush=True)
+            return
+        if args.readers_only:
+            print(readers_table(folder, args.dtypes.split(","), steps, block, counts, seconds))
+            return
         if args.background:
             for dtype in args.dtypes.split(","):
                 print(table(background_writes(folder, dtype, block, 8, 200.0)), flush=True)
@@ -768,6 +1048,8 @@ def main() -> None:
             "freshly opened archive; the baseline reads the same windows one zarr slice each"
         )
         print(table(windows))
+        if counts:
+            print(readers_table(folder, args.dtypes.split(","), steps, block, counts, seconds))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

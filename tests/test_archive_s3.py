@@ -29,6 +29,7 @@ from .test_archive import (  # noqa: F401  (collected again here with the S3 `lo
     test_write_appends_exactly_the_new_steps,
     test_write_async_checks_lost_steps_when_called,
 )
+from .test_archive_set import readers_while_writers_are_killed
 
 
 BUCKET = "equibuffer-test"
@@ -79,6 +80,16 @@ def test_s3_lock_is_a_conditional_put(location):
 def test_s3_writer_killed_at_random_moments(s3_options):
     store = f"s3://{BUCKET}/crash-{uuid.uuid4().hex}.zarr"
     crash_writer_many_times(store, json.dumps(s3_options), 2, 1)
+
+
+@pytest.mark.slow  # starts processes: `nox -s slow`, and CI
+def test_s3_four_readers_sample_one_archive_while_its_writer_is_killed(s3_options):
+    """The local test of many processes on the server: one writer appends to one archive on
+    S3 and 4 reader processes read and sample it concurrently; the writer is killed mid-write
+    while they read. Every value they get is checked, their lengths never go back, and
+    nothing the writer reported committed is lost."""
+    store = f"s3://{BUCKET}/readers-{uuid.uuid4().hex}.zarr"
+    readers_while_writers_are_killed([store], s3_options)
 
 
 def test_s3_options_in_s3fs_spelling_reach_the_same_store(s3_options):

@@ -16,7 +16,7 @@ import pytest
 import equibuffer as eb
 from equibuffer._archive import Archive, ring_holding
 
-from .archive_writer import values
+from .archive_writer import ROWS, values
 from .helpers import chi_square_pvalue
 
 
@@ -79,13 +79,14 @@ sys.path.insert(0, sys.argv[1])
 from tests.archive_writer import values, ROWS
 import equibuffer as eb
 stores, seconds = sys.argv[2].split(","), float(sys.argv[3])
+options = json.loads(sys.argv[4]) if sys.argv[4] else None
 data = None
 checks = reads = 0
 lengths_seen = []
 end = time.time() + seconds
 while time.time() < end:
     try:
-        data = data or eb.ArchiveSet(stores, progress=False)
+        data = data or eb.ArchiveSet(stores, progress=False, storage_options=options)
     except ValueError:  # a member not created yet
         time.sleep(0.05)
         continue
@@ -94,17 +95,20 @@ while time.time() < end:
     lengths_seen.append(lengths)
     n = len(data)
     if n:
-        got = data.read(0, n)["obs"]
-        want = values(ROWS, 0, n)["obs"]
-        for m in range(len(stores)):  # member m's rows hold what its writer wrote
-            np.testing.assert_array_equal(got[ROWS * m : ROWS * (m + 1)], want)
+        got, want = data.read(0, n), values(ROWS, 0, n)
+        for leaf in want:  # member m's rows hold what its writer wrote
+            for m in range(len(stores)):
+                np.testing.assert_array_equal(got[leaf][ROWS * m : ROWS * (m + 1)], want[leaf])
         checks += 1
         if checks == 1:
             print("ready", flush=True)
-        batch = data.sample(reads, 16, 2)
-        pairs = zip(batch.rows, batch.starts)
-        w = [values(ROWS, int(s), 2)["obs"][int(r) % ROWS] for r, s in pairs]
-        np.testing.assert_array_equal(batch.experience["obs"], np.stack(w))
+        seq = min(1 + reads % 8, max(lengths))  # windows across chunks of 4 steps too
+        batch = data.sample(reads, 32, seq)
+        assert (batch.starts + seq <= np.repeat(lengths, ROWS)[batch.rows]).all()
+        for leaf in want:  # each window: what its member's writer wrote there
+            w = [values(ROWS, int(s), seq)[leaf][int(r) % ROWS]
+                 for r, s in zip(batch.rows, batch.starts)]
+            np.testing.assert_array_equal(batch.experience[leaf], np.stack(w))
         reads += 1
 print(json.dumps({"checks": checks, "samples": reads, "lengths": lengths_seen}))
 """
@@ -138,12 +142,24 @@ def test_four_writers_four_readers_one_killed(tmp_path):
     function of row and step), 4 reader processes reading and sampling the set meanwhile;
     writer 0 is killed mid-write while they read, the others after. Readers only ever see
     committed prefixes, and no step a writer reported committed is lost."""
+    readers_while_writers_are_killed([str(tmp_path / f"host{i}.zarr") for i in range(4)])
+
+
+def readers_while_writers_are_killed(stores: list[str], options: dict | None = None) -> None:
+    """One writer process per store in `stores` (tests/archive_writer.py, `options` its
+    storage options), then 4 reader processes reading and sampling the set of them (each for
+    6 s); 1.5 s after every reader's first check writer 0 is killed mid-write while they read,
+    the others 1.5 s later, and the readers go on reading the archives as the kills left them.
+    Every value a reader reads or samples is checked, its lengths never go back, and no step
+    a writer reported committed is lost."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    stores = [str(tmp_path / f"host{i}.zarr") for i in range(4)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     script = os.path.join(root, "tests", "archive_writer.py")
+    given = json.dumps(options) if options else ""
     writers = [
-        subprocess.Popen([sys.executable, script, s], stdout=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen(
+            [sys.executable, script, s, given], stdout=subprocess.PIPE, text=True, env=env
+        )
         for s in stores
     ]
     readers: list[subprocess.Popen] = []
@@ -152,7 +168,7 @@ def test_four_writers_four_readers_one_killed(tmp_path):
         _wait(lambda: all(len(log) >= 3 for log in logs), 180, "every writer's commits")
         readers = [
             subprocess.Popen(
-                [sys.executable, "-c", READER, root, ",".join(stores), "6"],
+                [sys.executable, "-c", READER, root, ",".join(stores), "6", given],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -162,6 +178,7 @@ def test_four_writers_four_readers_one_killed(tmp_path):
         ]
         outs = [_lines(r) for r in readers]
         _wait(lambda: all(out for out in outs), 180, "every reader's first check")
+        time.sleep(1.5)  # the readers read while every writer appends
         writers[0].send_signal(signal.SIGKILL)  # mid-write, while the readers read
         time.sleep(1.5)
         for w in writers[1:]:
@@ -172,6 +189,7 @@ def test_four_writers_four_readers_one_killed(tmp_path):
             max(int(line.split()[1]) for line in log if line.startswith("committed"))
             for log in logs
         ]
+        seen = []
         for r, out in zip(readers, outs, strict=True):
             r.wait(timeout=180)
             assert r.returncode == 0, r.stderr.read()[-3000:]  # type: ignore[union-attr]
@@ -179,6 +197,8 @@ def test_four_writers_four_readers_one_killed(tmp_path):
             assert got["checks"] > 0 and got["samples"] > 0
             for a, b in zip(got["lengths"], got["lengths"][1:], strict=False):
                 assert all(y >= x for x, y in zip(a, b, strict=True))  # never goes back
+            seen.append(got["lengths"])
+        assert any(s[0] != s[-1] for s in seen)  # they read while the writers appended
     finally:
         for p in writers + readers:
             p.kill()
@@ -186,11 +206,11 @@ def test_four_writers_four_readers_one_killed(tmp_path):
             for pipe in (p.stdout, p.stderr):
                 if pipe is not None:
                     pipe.close()
-    data = eb.ArchiveSet(stores, progress=False)
+    data = eb.ArchiveSet(stores, progress=False, storage_options=options)
     for length, reported in zip(data.lengths(), committed, strict=True):
         assert length >= reported  # nothing reported committed is lost
     n = len(data)
-    want = values(2, 0, n)["obs"]
-    got = data.read(0, n)["obs"]
-    for m in range(4):
-        np.testing.assert_array_equal(got[2 * m : 2 * (m + 1)], want)
+    got, want = data.read(0, n), values(ROWS, 0, n)
+    for leaf in want:
+        for m in range(len(stores)):
+            np.testing.assert_array_equal(got[leaf][ROWS * m : ROWS * (m + 1)], want[leaf])

@@ -77,14 +77,22 @@ def add(buffer, b):
     return buffer.add(b)
 
 
-def sample(buffer, key, batch_size: int):
+def draw(buffer, key, batch_size: int, row_blocks: int = 1):
+    """The buffer's own sample (`beta=0.5` for a prioritised source)."""
+    kw = {} if row_blocks == 1 else {"row_blocks": row_blocks}
+    if isinstance(buffer, eb.AbstractPrioritisedSource):
+        kw["beta"] = 0.5
+    return buffer.sample(key, batch_size, **kw)
+
+
+def sample(buffer, key, batch_size: int, row_blocks: int = 1):
     """`(buffer, sample)`: a sample of `batch_size` (the queue's: all it holds), and for a
     prioritised source its priorities set from the sample."""
     if isinstance(buffer, eb.Queue):
         return buffer.sample()
     if isinstance(buffer, eb.RateLimited):
-        return buffer.sample(key, batch_size)
+        return draw(buffer, key, batch_size, row_blocks)
     if isinstance(buffer, eb.AbstractPrioritisedSource):
-        s = buffer.sample(key, batch_size, beta=0.5)
+        s = draw(buffer, key, batch_size, row_blocks)
         return buffer.set_priorities(s, s.weights + 1.0), s
-    return buffer, buffer.sample(key, batch_size)
+    return buffer, draw(buffer, key, batch_size, row_blocks)

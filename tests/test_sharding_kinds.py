@@ -25,71 +25,24 @@ SCRIPT = textwrap.dedent(
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     import equibuffer as eb
     from tests.helpers import largest_collective as moved
+    from tests.mesh_kinds import add, batch as mesh_batch, cluster_of, draw as mesh_draw, EXAMPLE
+    from tests.mesh_kinds import kinds, sample as mesh_sample
 
     jax.config.update("jax_numpy_dtype_promotion", "strict")
     n = 8
     mesh = jax.make_mesh((n,), ("envs",), axis_types=(AxisType.Auto,))
     R, L, B = 16, 512, 8  # rows, steps per row, batch: a sample is far smaller than a shard
     BB = 32  # the batch of a row_blocks=8 sample (the mixer's shares 8 and 24: 8 divides both)
-    ex = {"obs": jnp.zeros(4), "reward": jnp.float32(0), "terminated": jnp.bool_(False),
-          "truncated": jnp.bool_(False)}
+    KINDS = kinds(R, L)
 
     def batch(i, t=4):
-        obs = jnp.arange(R * t * 4, dtype=jnp.float32).reshape(R, t, 4) + 1000 * i
-        ends = (jnp.arange(R * t).reshape(R, t) + i) % 5 == 0
-        return {"obs": obs, "reward": obs[..., 0] / 7, "terminated": ends,
-                "truncated": jnp.zeros((R, t), bool)}
-
-    def cluster_of(item):
-        return (item["obs"][0] % 3).astype(jnp.int32)
-
-    size = dict(add_batch_size=R, max_length_time_axis=L)
-    KINDS = {
-        "trajectory": lambda: eb.TrajectoryBuffer(ex, sequence_length=4, **size),
-        "transition": lambda: eb.TransitionBuffer(ex, **size),
-        "item": lambda: eb.ItemBuffer(ex, **size),
-        "prioritised": lambda: eb.PrioritisedTrajectoryBuffer(ex, sequence_length=4, **size),
-        "prioritised_item": lambda: eb.PrioritisedItemBuffer(ex, **size),
-        "episodes": lambda: eb.EpisodeTrajectoryBuffer(
-            ex, sequence_length=3, episode_end="terminated", mode="pad", **size),
-        "prioritised_episodes": lambda: eb.PrioritisedEpisodeTrajectoryBuffer(
-            ex, sequence_length=3, episode_end="terminated", **size),
-        "n_step": lambda: eb.TransitionBuffer(ex, n_step=3, discount=0.9, **size),
-        "queue": lambda: eb.Queue(ex, sequence_length=3, **size),
-        "clustered": lambda: eb.ClusteredBuffer(
-            ex, add_batch_size=R, num_clusters=3, cluster_capacity=L, cluster_fn=cluster_of),
-        "prioritised_clustered": lambda: eb.PrioritisedClusteredBuffer(
-            ex, add_batch_size=R, num_clusters=3, cluster_capacity=L, cluster_fn=cluster_of),
-        "mixer": lambda: eb.Mixer(
-            (eb.TrajectoryBuffer(ex, sequence_length=4, **size),
-             eb.PrioritisedTrajectoryBuffer(ex, sequence_length=4, **size)),
-            (0.25, 0.75)),
-        "rate_limited": lambda: eb.RateLimited(
-            eb.TrajectoryBuffer(ex, sequence_length=4, **size), 4.0, 64.0),
-    }
-
-    def add(buffer, b):
-        if isinstance(buffer, eb.Mixer):  # adds go to its sources
-            added = tuple(x.add(b) for x in buffer.buffers)
-            return eqx.tree_at(lambda m: m.buffers, buffer, added)
-        return buffer.add(b)
+        return mesh_batch(i, R, t)
 
     def draw(buffer, key, blocks=1):  # the plain sample (of B, or of BB by blocks)
-        kw = {} if blocks == 1 else {"row_blocks": blocks}
-        size = B if blocks == 1 else BB
-        if isinstance(buffer, eb.AbstractPrioritisedSource):
-            kw["beta"] = 0.5
-        return buffer.sample(key, size, **kw)
+        return mesh_draw(buffer, key, B if blocks == 1 else BB, blocks)
 
     def sample(buffer, key, blocks=1):
-        if isinstance(buffer, eb.Queue):
-            return buffer.sample()
-        if isinstance(buffer, eb.RateLimited):
-            return draw(buffer, key, blocks)
-        if isinstance(buffer, eb.AbstractPrioritisedSource):
-            s = draw(buffer, key, blocks)
-            return buffer.set_priorities(s, s.weights + 1.0), s
-        return buffer, draw(buffer, key, blocks)
+        return mesh_sample(buffer, key, B if blocks == 1 else BB, blocks)
 
     @eqx.filter_jit(donate="all-except-first")
     def step(key, buffer, b, blocks):
@@ -150,7 +103,7 @@ SCRIPT = textwrap.dedent(
         fill = 128 if "clustered" in name else 0
         run(f"{name}_blocks", KINDS[name], blocks=n, fill=fill)
 
-    uneven = eb.ClusteredBuffer(ex, add_batch_size=R, num_clusters=3, cluster_capacity=12,
+    uneven = eb.ClusteredBuffer(EXAMPLE, add_batch_size=R, num_clusters=3, cluster_capacity=12,
                                 cluster_fn=cluster_of)
     try:
         eb.shard_rows(uneven, mesh, "envs")

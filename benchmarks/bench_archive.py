@@ -201,6 +201,36 @@ def bench_dtype(
     }
 
 
+def codec_rate(obs: np.ndarray, compression: Compression) -> tuple[float, float] | None:
+    """What the codec alone does on this machine, in bytes per second: the archive's chunks of
+    `obs` (`(rows, block, *SHAPE)`, one row and `chunk_steps` steps each) encoded and then
+    decoded into existing arrays, by as many threads as there are cores (the archive's
+    pipeline uses them all), best of 3. None for no codec. The archive's own write and read
+    rates are reported against these (issue 17: at least 0.9x)."""
+    codec = _format.numcodec(_format.compressor(compression))
+    if not codec:
+        return None
+    chunk = max(1, min(obs.shape[1], _format.pow2_floor(_format.CHUNK_BYTES / obs[0, 0].nbytes)))
+    chunks = [
+        np.ascontiguousarray(obs[r : r + 1, t : t + chunk])
+        for r in range(obs.shape[0])
+        for t in range(0, obs.shape[1] - chunk + 1, chunk)
+    ]
+    nbytes = sum(c.nbytes for c in chunks)
+    outs = [np.empty_like(c) for c in chunks]
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
+        encoded = list(pool.map(codec.encode, chunks))
+        enc = dec = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            list(pool.map(codec.encode, chunks))
+            enc = min(enc, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            list(pool.map(lambda a: codec.decode(a[0], out=a[1]), zip(encoded, outs, strict=True)))
+            dec = min(dec, time.perf_counter() - t0)
+    return nbytes / enc, nbytes / dec
+
+
 def bench_vault(folder: str, dtype: str, obs: np.ndarray, blocks: int) -> tuple[float, float]:
     from flashbax.buffers.trajectory_buffer import TrajectoryBufferState
     from flashbax.vault import Vault
@@ -1002,6 +1032,15 @@ def main() -> None:
                     "read/disk": f"{r['payload'] / r['read_s'] / dr:.2f}",
                     "ratio": f"{r['ratio']:.2f}",
                 }
+                rates = codec_rate(r["obs"], compression) if not sync else None  # type: ignore[arg-type]
+                if rates:
+                    row["write/codec"] = f"{r['payload'] / r['write_s'] / rates[0]:.2f}"
+                    row["read/codec"] = f"{r['payload'] / r['read_s'] / rates[1]:.2f}"
+                    row["codec encode, decode"] = (
+                        f"{mbps(1, 1 / rates[0])}, {mbps(1, 1 / rates[1])}"
+                    )
+                else:
+                    row["write/codec"] = row["read/codec"] = row["codec encode, decode"] = ""
                 if run == "zstd":
                     default = r
                     wb, wo, length = bench_windows(r["path"], 8 if args.quick else 40)
@@ -1029,6 +1068,7 @@ def main() -> None:
                     "write/disk": f"{default['payload'] / vw / dw:.2f}",
                     "read/disk": f"{default['payload'] / vr / dr:.2f}",
                     "ratio": "",
+                    **dict.fromkeys(("write/codec", "read/codec", "codec encode, decode"), ""),
                 }
             )
             rows.append(
@@ -1040,6 +1080,7 @@ def main() -> None:
                     "write/disk": "",
                     "read/disk": "",
                     "ratio": "",
+                    **dict.fromkeys(("write/codec", "read/codec", "codec encode, decode"), ""),
                 }
             )
         print(table(rows))

@@ -70,7 +70,7 @@ def bench_queue(rows: int, t: int, obs: int, k: int, repeat: int) -> list[dict[s
 
     length = 2 * t
     batch = _steps(rows, t, obs)
-    ours = Queue(_example(obs), add_batch_size=rows, max_length=length, sequence_length=t)
+    ours = Queue(_example(obs), add_batch_size=rows, max_length_time_axis=length, sequence_length=t)
     fb = fbx.make_trajectory_queue(
         max_length_time_axis=length,
         add_batch_size=rows,

@@ -203,10 +203,11 @@ def test_vmapped_queues():
     np.testing.assert_array_equal(np.asarray(queues.unread), [1, 1, 1])
 
 
-def test_one_device_sample_is_one_gather_per_leaf():
-    """The row-by-row gather (which keeps a sharded queue's rows on their devices) compiles on
-    one device to one gather of the `rows * sequence_length` steps per leaf, with no
-    transposing copy: the one-device program does no more work than a flat gather."""
+def test_one_device_sample_is_one_slice_or_one_gather_per_leaf():
+    """Slots that do not cross the end of the ring are read as one slice of every row; those
+    that do, by the row-by-row gather (which keeps a sharded queue's rows on their devices),
+    compiled on one device to one gather of the `rows * sequence_length` steps per leaf, with
+    no transposing copy: the one-device program does no more work than a flat gather."""
     queue = Queue(_example(), add_batch_size=16, max_length_time_axis=64, sequence_length=3)
     queue = _add(queue, _batch(16, 0, 5))
     arrays, static = eqx.partition(queue, eqx.is_array)
@@ -219,3 +220,5 @@ def test_one_device_sample_is_one_gather_per_leaf():
     assert len(gathers) == 2, gathers  # "obs" and "t"
     assert all("[48," in line for line in gathers), gathers  # 16 rows * 3 steps, one go
     assert " transpose(" not in hlo
+    slices = [line for line in hlo.splitlines() if " dynamic-slice(" in line]
+    assert len(slices) == 2 and all("[16,3" in line for line in slices), slices

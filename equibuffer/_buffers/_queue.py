@@ -2,6 +2,7 @@
 steps not yet read."""
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
@@ -262,9 +263,18 @@ class Queue(AbstractRingHolder):
         indices = rows * length + slot
         step = storage.count_lo - unread.astype(jnp.uint32)
         steps = jnp.broadcast_to(step, (storage.rows,))
-        # The same `s` slots of every row, gathered row by row: `(rows, s, *leaf)`, and on a
-        # mesh each device reads its own rows (the result stays split like the storage).
-        experience = gather_slots(storage, (slot + jnp.arange(s, dtype=jnp.int32)) % length)
+
+        # The same `s` slots of every row: `(rows, s, *leaf)`, and on a mesh each device reads
+        # its own rows (the result stays split like the storage). Slots that do not cross the
+        # end of the ring are one slice of each row; those that do, a gather row by row.
+        def sliced() -> ExperienceBatch:
+            return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, s, 1), data)
+
+        def gathered() -> ExperienceBatch:
+            return gather_slots(storage, (slot + jnp.arange(s, dtype=jnp.int32)) % length)
+
+        data = storage.data
+        experience = jax.lax.cond(slot <= length - s, sliced, gathered)
         queue = eqx.tree_at(lambda q: q.unread, self, unread - s)
         return queue, Sample(experience=experience, indices=indices, steps=steps)
 

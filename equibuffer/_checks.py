@@ -23,6 +23,19 @@ def check_positive_int(where: str, name: str, value: Any) -> int:
     return int(value)
 
 
+def check_row_blocks(where: str, row_blocks: Any, sizes: dict[str, int], block: str) -> int:
+    """`row_blocks` checked: a positive int dividing each of `sizes` (name -> value; `block`
+    says in the message what one block of the sample is drawn from)."""
+    row_blocks = check_positive_int(where, "row_blocks", row_blocks)
+    for name, n in sizes.items():
+        if n % row_blocks:
+            raise ValueError(
+                f"{where}: row_blocks={row_blocks} must divide {name}={n} ({block} gets "
+                "batch_size / row_blocks of the draws)."
+            )
+    return row_blocks
+
+
 def as_example_leaf(path: Sequence[Any], leaf: Any) -> jax.ShapeDtypeStruct:
     """Shape and dtype of one leaf of the example tree given to a constructor."""
     if isinstance(leaf, jax.ShapeDtypeStruct):

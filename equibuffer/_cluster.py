@@ -26,7 +26,7 @@ from ._buffers._rules import (
     update_target,
 )
 from ._buffers._samples import PrioritisedSample, Sample
-from ._checks import check_positive_int, refuse_flashbax_only
+from ._checks import check_positive_int, check_row_blocks, refuse_flashbax_only
 from ._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar, StepCount, Steps
 from ._errors import branched_error_if, error_if
 from ._protocol import AbstractPrioritisedSource, AbstractReplayBuffer
@@ -591,14 +591,8 @@ class AbstractClusteredBuffer(AbstractReplayBuffer):
     def _row_blocks(self, where: str, row_blocks: int, batch_size: int) -> int:
         """`row_blocks` checked: a positive int dividing `cluster_capacity` and
         `batch_size`."""
-        row_blocks = check_positive_int(where, "row_blocks", row_blocks)
-        for name, n in (("cluster_capacity", self.cluster_capacity), ("batch_size", batch_size)):
-            if n % row_blocks:
-                raise ValueError(
-                    f"{where}: row_blocks={row_blocks} must divide {name}={n} (block d of "
-                    "every cluster's slots gets batch_size / row_blocks of the draws)."
-                )
-        return row_blocks
+        sizes = {"cluster_capacity": self.cluster_capacity, "batch_size": batch_size}
+        return check_row_blocks(where, row_blocks, sizes, "block d of every cluster's slots")
 
     def _gather(
         self, cluster: Int[Array, " batch"], slot: Int[Array, " batch"], blocks: int

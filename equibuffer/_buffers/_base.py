@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, PRNGKeyArray, PyTree, Shaped
 
-from .._checks import check_positive_int, check_structure, keystr
+from .._checks import check_positive_int, check_row_blocks, check_structure, keystr
 from .._custom_types import BoolScalar, ExperienceBatch, IntScalar, StepCount
 from .._protocol import AbstractReplayBuffer
 from .._ring import RingStorage
@@ -240,14 +240,8 @@ class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
 
     def _row_blocks(self, where: str, row_blocks: int, batch_size: int) -> int:
         """`row_blocks` checked: a positive int dividing the rows and `batch_size`."""
-        row_blocks = check_positive_int(where, "row_blocks", row_blocks)
-        for name, n in (("add_batch_size", self.storage.rows), ("batch_size", batch_size)):
-            if n % row_blocks:
-                raise ValueError(
-                    f"{where}: row_blocks={row_blocks} must divide {name}={n} (each block "
-                    f"of rows gets batch_size / row_blocks of the draws)."
-                )
-        return row_blocks
+        sizes = {"add_batch_size": self.storage.rows, "batch_size": batch_size}
+        return check_row_blocks(where, row_blocks, sizes, "each block of rows")
 
     def _experience(
         self, drawn: Drawn, blocks: int = 1

@@ -268,12 +268,11 @@ class Queue(AbstractRingHolder):
         # its own rows (the result stays split like the storage). Slots that do not cross the
         # end of the ring are one slice of each row; those that do, a gather row by row.
         def sliced() -> ExperienceBatch:
-            return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, s, 1), data)
+            return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, s, 1), storage.data)
 
         def gathered() -> ExperienceBatch:
             return gather_slots(storage, (slot + jnp.arange(s, dtype=jnp.int32)) % length)
 
-        data = storage.data
         experience = jax.lax.cond(slot <= length - s, sliced, gathered)
         queue = eqx.tree_at(lambda q: q.unread, self, unread - s)
         return queue, Sample(experience=experience, indices=indices, steps=steps)

@@ -118,3 +118,64 @@ def test_two_processes_share_one_sharded_buffer(tmp_path):
     assert sorted(int(k) for k in counts) == starts
     observed = np.array([counts[str(w)] for w in starts])
     assert chi_square_pvalue(observed, np.full(len(starts), 1 / len(starts))) > 1e-4
+
+
+EVERY_CHECK = textwrap.dedent(
+    """
+    jax.distributed.initialize(coordinator, num_processes=2, process_id=pid)
+    import numpy as np
+    from jax.sharding import AxisType
+    import equibuffer as eb
+    from tests.mesh_errors import CASES, run
+
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    mesh = jax.make_mesh((jax.device_count(),), ("envs",), axis_types=(AxisType.Auto,))
+    for name, case in CASES.items():
+        state, step = case()
+        # Built in each process alike; placed from host memory (a process cannot move its
+        # own device's arrays onto the other's devices).
+        state = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, state)
+        error, seconds = run(eb.shard_rows(state, mesh, "envs"), step)
+        print(json.dumps({"case": name, "error": error, "seconds": seconds}), flush=True)
+    jax.distributed.shutdown()
+    """
+)
+
+
+def test_every_check_raises_its_message_in_every_process():
+    """Each check of tests/test_sharding_errors.py, on a buffer sharded over the 4 devices of
+    2 processes: every process raises the check's own message, at once (no hang in a
+    collective, no abort)."""
+    from .test_sharding_errors import EXPECTED
+
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PRELUDE + EVERY_CHECK, str(pid), f"localhost:{port}", ""],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for pid in (0, 1)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=400)
+            assert p.returncode == 0, stderr[-3000:]
+            cases = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+            outs.append({case["case"]: case for case in cases})
+    finally:
+        for p in procs:
+            p.kill()
+    for out in outs:
+        assert sorted(out) == sorted(EXPECTED)
+        for name, pattern in EXPECTED.items():
+            case = out[name]
+            assert case["error"] is not None, f"{name}: no error"
+            assert re.search(pattern, case["error"]), (name, case["error"])
+            assert case["seconds"] < 60, case
+    assert {n: c["error"] for n, c in outs[0].items()} == {
+        n: c["error"] for n, c in outs[1].items()
+    }

@@ -12,8 +12,11 @@ Times, on `(32, 32, 3)` float32 observations and a buffer of `--capacity` steps 
 Each equibuffer figure sits next to Flashbax's on the same configuration (its trajectory buffer
 against `TrajectoryBuffer`, its flat buffer against `TransitionBuffer`), with the ratio
 `Flashbax time / equibuffer time` (> 1: equibuffer is faster), and next to the machine's own
-limit: a NumPy copy of the bytes of one add, a NumPy fancy-index gather of the bytes of one
-sample (from the very same buffer memory). Only one buffer is alive at a time.
+limit: a NumPy copy (memcpy between hot buffers) of the bytes one add writes or one sample
+returns (`memcpy/ours`: the fraction of that rate reached), and for samples also a NumPy
+fancy-index gather of the same windows from the very same buffer memory and XLA's own
+contiguous copy of as many bytes (`xla slice/ours`: a jitted `dynamic_slice` of the buffer).
+Only one buffer is alive at a time.
 
 Run: `python -m benchmarks.bench_core [--quick] [--capacity N]`. Benchmarks never fail on speed.
 """
@@ -140,11 +143,8 @@ def _ours(kind: str, rows: int, capacity: int, seq: int, jit: str = "eqx") -> Pe
     def mark_full(buf):
         # Counters of a full ring; the stored values do not change the cost of a gather.
         n = buf.max_length_time_axis
-        return eqx.tree_at(
-            lambda b: (b.storage.fill, b.storage.count_lo),
-            buf,
-            (jnp.array(n, jnp.int32), jnp.array(n, jnp.uint32)),
-        )
+        storage = buf.storage.with_counters(fill=n, steps_added=n)
+        return eqx.tree_at(lambda b: b.storage, buf, storage)
 
     return Peer(
         name="equibuffer" + ("" if jit == "eqx" else " (jax.jit)"),
@@ -228,6 +228,16 @@ def _numpy_copy(nbytes: int) -> Times:
     return _best(lambda: np.copyto(dst, src), repeat=50)
 
 
+def _xla_slice(data: jax.Array, nbytes: int) -> Times:
+    """XLA's own copy of `nbytes` (one contiguous `dynamic_slice` of the buffer's memory, at a
+    random step): the floor of any jitted sample of that many bytes on this backend."""
+    flat = data.reshape(-1, int(np.prod(data.shape[2:])))
+    steps = nbytes // (flat.shape[1] * flat.dtype.itemsize)
+    copy = jax.jit(lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, steps, axis=0))
+    starts = iter(np.random.default_rng(0).integers(0, flat.shape[0] - steps + 1, 10_000))
+    return _best(lambda: copy(flat, next(starts)), repeat=20)
+
+
 def _numpy_gather(data: jax.Array, seq: int) -> Times:
     """Fancy-index gather of SAMPLE_BATCH windows of `seq` steps from the buffer's own memory
     (a zero-copy NumPy view of the JAX array)."""
@@ -269,6 +279,10 @@ def _time_peer(peer: Peer, rows: int, steps_t: int, seq: int) -> dict[str, Times
     keys = _scan_keys(SCAN_SAMPLES)
     out["sample 256, in scan"] = _best(lambda: scan_sample(state, keys), repeat=5, per=SCAN_SAMPLES)
     out["_numpy gather"] = _numpy_gather(peer.data(state), seq)
+    gathered = jax.eval_shape(lambda s: peer.sample(s, key), state)
+    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(gathered))
+    out["_memcpy"] = _numpy_copy(nbytes)
+    out["_xla slice"] = _xla_slice(peer.data(state), nbytes)
     return out
 
 
@@ -289,11 +303,15 @@ def section_ops(capacity: int, steps_t: int, jax_jit_too: bool) -> list[dict[str
                 figures[peer.name] = _time_peer(peer, rows, steps_t, seq)
                 _free()  # the buffer died with _time_peer's frame
                 print(f"  done {kind} R={rows} {peer.name}", flush=True)
+            # The machine's limit: a NumPy copy of the bytes an add writes or a sample returns
+            # (a memcpy between hot buffers); for samples also NumPy's own gather of them.
             limit = {
                 "add 1 step": _numpy_copy(rows * step_bytes),
                 f"add {steps_t} steps": _numpy_copy(rows * steps_t * step_bytes),
-                "sample 256": figures["equibuffer"]["_numpy gather"],
+                "sample 256": figures["equibuffer"]["_memcpy"],
             }
+            gather = figures["equibuffer"]["_numpy gather"]
+            xla = figures["equibuffer"]["_xla slice"]
             limit["add 1 step, in scan"] = limit["add 1 step"]
             limit["sample 256, in scan"] = limit["sample 256"]
             for op in figures["equibuffer"]:
@@ -317,8 +335,13 @@ def section_ops(capacity: int, steps_t: int, jax_jit_too: bool) -> list[dict[str
                     row["ours jax.jit cpu"] = fmt_time(jc)
                     row["fbx/jax.jit cpu"] = _ratio(fc, jc)
                     raw["equibuffer (jax.jit)"] = (jw, jc)
-                row["numpy cpu"] = fmt_time(limit[op][1])
-                row["ours/numpy cpu"] = _ratio(oc, limit[op][1])
+                row["memcpy cpu"] = fmt_time(limit[op][1])
+                row["memcpy/ours cpu"] = _ratio(limit[op][1], oc)
+                sample = op.startswith("sample")
+                row["xla slice/ours cpu"] = _ratio(xla[1], oc) if sample else "-"
+                row["np gather/ours cpu"] = _ratio(gather[1], oc) if sample else "-"
+                if sample:
+                    raw["numpy gather"], raw["xla slice"] = gather, xla
                 row["_raw"] = raw
                 rows_out.append(row)
     return rows_out

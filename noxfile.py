@@ -126,11 +126,20 @@ def bench(session: nox.Session) -> None:
     """Benchmarks side by side with the peers (ratios, never pass/fail). `-- --quick` for small.
 
     `nox -s bench -- --quick` runs every script at small sizes; `nox -s bench -- core` (or
-    `calls`, `prioritised`, `archive`, `issue6`, `ring_write`, `devices`) runs one, with any further
-    arguments passed to it.
+    `calls`, `prioritised`, `archive`, `issue6`, `ring_write`, `devices`, `writers`) runs one,
+    with any further arguments passed to it.
     """
     install(session, "bench", package=".[s3]")
-    names = ["core", "calls", "prioritised", "archive", "issue6", "ring_write", "devices"]
+    names = [
+        "core",
+        "calls",
+        "prioritised",
+        "archive",
+        "issue6",
+        "ring_write",
+        "devices",
+        "writers",
+    ]
     args = list(session.posargs)
     chosen = [a for a in args if a in names] or names
     flags = [a for a in args if a not in names]

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -366,6 +367,39 @@ def test_the_lock_is_a_conditional_put(location):
     held = sync(store.get(LOCK_KEY, prototype=default_buffer_prototype()))
     assert held is not None and held.to_bytes() == raw
     location.open(new_buffer(), break_lock=True).close()  # once sure that writer is gone
+
+
+def test_a_killed_writer_not_yet_reaped_leaves_a_stale_lock(tmp_path):
+    """A writer killed by its launcher stays a zombie until the launcher reaps it: it answers
+    `os.kill(pid, 0)`, but its lock is stale and a new writer on the same host takes it."""
+    path = str(tmp_path / "run.zarr")
+    Archive(path, new_buffer(), progress=False).close()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        child.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{child.pid}/stat").read_bytes().split(b") ")[-1][:1] != b"Z":
+            assert time.monotonic() < deadline, "the child never became a zombie"
+            time.sleep(0.01)
+        os.kill(child.pid, 0)  # still answers: not reaped
+        lock = {"token": "t", "pid": child.pid, "host": socket.gethostname(), "since": "then"}
+        doc = {"zarr_format": 3, "node_type": "group", "attributes": {"equibuffer_lock": lock}}
+        store = open_store(path, None, read_only=False)
+        raw = default_buffer_prototype().buffer.from_bytes(json.dumps(doc).encode())
+        sync(store.set(LOCK_KEY, raw))
+        with Archive(path, new_buffer(), progress=False) as archive:  # the stale lock broken
+            archive.write(add(new_buffer(), 3))
+        assert len(Archive(path, mode="r", progress=False)) == 3
+    finally:
+        child.wait()
+    # A live process of this host keeps its lock.
+    lock = {"token": "t", "pid": os.getpid(), "host": socket.gethostname(), "since": "then"}
+    doc = {"zarr_format": 3, "node_type": "group", "attributes": {"equibuffer_lock": lock}}
+    sync(
+        store.set(LOCK_KEY, default_buffer_prototype().buffer.from_bytes(json.dumps(doc).encode()))
+    )
+    with pytest.raises(ArchiveLockedError, match=f"process {os.getpid()} on host"):
+        Archive(path, new_buffer(), progress=False)
 
 
 # ---------------------------------------------------------------------------- local only

@@ -394,13 +394,22 @@ def clean_partial(store: Store) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host is running. A process that was killed but not yet
+    reaped by its parent (a zombie, e.g. a writer its launcher killed) still answers
+    `os.kill(pid, 0)`, but will never write again: where `/proc` tells, it counts as gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True  # no /proc (macOS): running, as far as this host can tell
+    # The state follows the name, which is in parentheses and may itself hold any bytes.
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
 
 
 def _holder(raw: Any) -> dict | None:

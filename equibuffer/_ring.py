@@ -122,8 +122,8 @@ class RingStorage(eqx.Module):
             ```
         """
         where = f"{type(self).__name__}.with_counters()"
-        old = [int(c) for c in jax.device_get(self.counters)]
-        new = list(old)
+        head_, fill_, added = host_counters(self)
+        new = [head_, fill_, added % _TWO_32, added // _TWO_32]
         if head is not None:
             if not 0 <= int(head) < self.length:
                 raise ValueError(f"{where}: head={head} is not a slot of length={self.length}.")
@@ -165,7 +165,7 @@ class RingStorage(eqx.Module):
             assert storage.write({"x": jnp.zeros((1, 3))}).steps_added() == 3
             ```
         """
-        return int(self.count_hi) * _TWO_32 + int(self.count_lo)
+        return host_counters(self)[2]
 
     def count(self) -> StepCount:
         """The count of steps ever added to each row as a 0-d array, usable inside jit:
@@ -388,3 +388,11 @@ def check_batch(
         check_dtype(where, path, dtype, stored.dtype)
         steps, first_path = t, path
     return steps
+
+
+def host_counters(storage: RingStorage) -> tuple[int, int, int]:
+    """`(head, fill, steps_added)` of `storage` as Python ints, from one host copy of its
+    counters (outside jit): no JAX operation is dispatched (each would be compiled at its
+    first use in a process, ~20 ms, and cost a dispatch afterwards)."""
+    head, fill, lo, hi = (int(c) for c in jax.device_get(storage.counters))
+    return head, fill, hi * _TWO_32 + lo

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import zarr
 
+from .._ring import host_counters
 from ._chunks import Chunks, EMPTY, LeafIO, Shards
 from ._format import (
     ATTR,
@@ -188,7 +189,7 @@ class Writer:
         diff = schema_diff(list(layout.leaves), layout.rows, leaves, storage.rows)
         if diff:
             raise ValueError(f"{where}: the buffer does not match the archive: {'; '.join(diff)}.")
-        total = storage.steps_added()
+        head, fill, total = host_counters(storage)
         c = self.reader.commit if self.planned is None else self.planned
         if total > INT64_MAX:
             raise OverflowError(f"{where}: {total} steps is beyond int64.")
@@ -201,7 +202,7 @@ class Writer:
         new = total - c.source_steps
         if new == 0:
             return None
-        head, fill, length = int(storage.head), int(storage.fill), storage.length
+        length = storage.length
         keep = min(new, fill)
         lost = new - keep
         if lost:

@@ -78,33 +78,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_share_one_sharded_buffer(tmp_path):
-    port, ckpt = str(_free_port()), str(tmp_path / "buffer.eqx")
+def _two_processes(script: str, ckpt: str, timeout: float) -> list[str]:
+    """Run `PRELUDE + script` as processes 0 and 1 of one `jax.distributed` run on loopback
+    (from the project's root, so that `tests` imports); their standard outputs, in order,
+    once both have exited successfully."""
+    port = str(_free_port())
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                PRELUDE + _recipe() + CHECKS,
-                str(pid),
-                f"localhost:{port}",
-                ckpt,
-            ],
+            [sys.executable, "-c", PRELUDE + script, str(pid), f"localhost:{port}", ckpt],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+            cwd=ROOT,
+        )
         for pid in (0, 1)
     ]
     outs = []
     try:
         for p in procs:
-            stdout, stderr = p.communicate(timeout=240)
+            stdout, stderr = p.communicate(timeout=timeout)
             assert p.returncode == 0, stderr[-3000:]
-            outs.append(json.loads(stdout.strip().splitlines()[-1]))
+            outs.append(stdout)
     finally:
         for p in procs:
             p.kill()
+    return outs
+
+
+def test_two_processes_share_one_sharded_buffer(tmp_path):
+    stdouts = _two_processes(_recipe() + CHECKS, str(tmp_path / "buffer.eqx"), timeout=240)
+    outs = [json.loads(stdout.strip().splitlines()[-1]) for stdout in stdouts]
     for pid, out in enumerate(outs):
         assert (out["pid"], out["processes"], out["devices"]) == (pid, 2, 4)
         assert "cannot be sampled yet" in out["early"] and out["early_s"] < 60
@@ -148,27 +151,10 @@ def test_every_check_raises_its_message_in_every_process():
     collective, no abort)."""
     from .test_sharding_errors import EXPECTED
 
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", PRELUDE + EVERY_CHECK, str(pid), f"localhost:{port}", ""],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-        )
-        for pid in (0, 1)
-    ]
     outs = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=400)
-            assert p.returncode == 0, stderr[-3000:]
-            cases = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-            outs.append({case["case"]: case for case in cases})
-    finally:
-        for p in procs:
-            p.kill()
+    for stdout in _two_processes(EVERY_CHECK, "", timeout=400):
+        cases = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        outs.append({case["case"]: case for case in cases})
     for out in outs:
         assert sorted(out) == sorted(EXPECTED)
         for name, pattern in EXPECTED.items():

@@ -122,8 +122,7 @@ class RingStorage(eqx.Module):
             ```
         """
         where = f"{type(self).__name__}.with_counters()"
-        head_, fill_, added = host_counters(self)
-        new = [head_, fill_, added % _TWO_32, added // _TWO_32]
+        new = [int(c) for c in jax.device_get(self.counters)]
         if head is not None:
             if not 0 <= int(head) < self.length:
                 raise ValueError(f"{where}: head={head} is not a slot of length={self.length}.")

@@ -347,21 +347,24 @@ def test_load_into_a_trajectory_buffer_for_offline_training(location, getkey):
         np.testing.assert_array_equal(np.asarray(sample.steps), first[:, 0].astype(np.uint32))
 
 
+def put_lock(store: Any, pid: int, host: str) -> bytes:
+    """Write the one-writer lock document as process `pid` on `host` would hold it (another
+    writer's, as far as this process is concerned); returns its bytes."""
+    lock = {"token": "t", "pid": pid, "host": host, "since": "then"}
+    raw = json.dumps(
+        {"zarr_format": 3, "node_type": "group", "attributes": {"equibuffer_lock": lock}}
+    ).encode()
+    sync(store.set(LOCK_KEY, default_buffer_prototype().buffer.from_bytes(raw)))
+    return raw
+
+
 def test_the_lock_is_a_conditional_put(location):
     """Another host's writer holds the archive: a writer's lock request (a put that creates
     the lock object only if there is none) fails, and the other lock stays as it was. A
     plain put would have replaced it, and the second writer would have taken the lock."""
     location.open(new_buffer()).close()
     store = open_store(location.store, location.options, read_only=False)
-    other = {
-        "zarr_format": 3,
-        "node_type": "group",
-        "attributes": {
-            "equibuffer_lock": {"token": "t", "pid": 1, "host": "elsewhere", "since": "then"}
-        },
-    }
-    raw = json.dumps(other).encode()
-    sync(store.set(LOCK_KEY, default_buffer_prototype().buffer.from_bytes(raw)))
+    raw = put_lock(store, pid=1, host="elsewhere")
     with pytest.raises(ArchiveLockedError, match="process 1 on host 'elsewhere'"):
         location.open(new_buffer())
     held = sync(store.get(LOCK_KEY, prototype=default_buffer_prototype()))
@@ -382,22 +385,15 @@ def test_a_killed_writer_not_yet_reaped_leaves_a_stale_lock(tmp_path):
             assert time.monotonic() < deadline, "the child never became a zombie"
             time.sleep(0.01)
         os.kill(child.pid, 0)  # still answers: not reaped
-        lock = {"token": "t", "pid": child.pid, "host": socket.gethostname(), "since": "then"}
-        doc = {"zarr_format": 3, "node_type": "group", "attributes": {"equibuffer_lock": lock}}
         store = open_store(path, None, read_only=False)
-        raw = default_buffer_prototype().buffer.from_bytes(json.dumps(doc).encode())
-        sync(store.set(LOCK_KEY, raw))
+        put_lock(store, pid=child.pid, host=socket.gethostname())
         with Archive(path, new_buffer(), progress=False) as archive:  # the stale lock broken
             archive.write(add(new_buffer(), 3))
         assert len(Archive(path, mode="r", progress=False)) == 3
     finally:
         child.wait()
     # A live process of this host keeps its lock.
-    lock = {"token": "t", "pid": os.getpid(), "host": socket.gethostname(), "since": "then"}
-    doc = {"zarr_format": 3, "node_type": "group", "attributes": {"equibuffer_lock": lock}}
-    sync(
-        store.set(LOCK_KEY, default_buffer_prototype().buffer.from_bytes(json.dumps(doc).encode()))
-    )
+    put_lock(store, pid=os.getpid(), host=socket.gethostname())
     with pytest.raises(ArchiveLockedError, match=f"process {os.getpid()} on host"):
         Archive(path, new_buffer(), progress=False)
 

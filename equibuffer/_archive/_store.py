@@ -409,7 +409,8 @@ def _pid_alive(pid: int) -> bool:
     except OSError:
         return True  # no /proc (macOS): running, as far as this host can tell
     # The state follows the name, which is in parentheses and may itself hold any bytes.
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
+    state = stat[stat.rfind(b")") + 2 :][:1]
+    return state not in (b"Z", b"X")
 
 
 def _holder(raw: Any) -> dict | None:

@@ -38,6 +38,7 @@ from ._cluster import (
     PrioritisedClusteredBuffer as PrioritisedClusteredBuffer,
     PrioritisedClusteredSample as PrioritisedClusteredSample,
 )
+from ._errors import check as check, filter_jit as filter_jit
 from ._mixer import MixedSample as MixedSample, Mixer as Mixer
 from ._nstep import n_step_transition as n_step_transition, NStepTransition as NStepTransition
 from ._protocol import (

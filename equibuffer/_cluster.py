@@ -28,7 +28,7 @@ from ._buffers._rules import (
 from ._buffers._samples import PrioritisedSample, Sample
 from ._checks import check_positive_int, check_row_blocks, refuse_flashbax_only
 from ._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar, StepCount, Steps
-from ._errors import branched_error_if, error_if
+from ._errors import branched_error_if, error_if, recorded
 from ._protocol import AbstractPrioritisedSource, AbstractReplayBuffer
 from ._ring import check_batch, RingStorage
 from ._sumtree import SumTree
@@ -120,13 +120,15 @@ class ClusterStorage(eqx.Module):
     """`num_clusters` rings of `cluster_capacity` items: one array per leaf shaped
     `(num_clusters, cluster_capacity, *leaf)`, and per cluster a write head, a fill count and
     a count of the items ever routed to it (`uint32`, mod 2**32). `added` says whether any
-    add was made (whatever the routing, so it stays unbatched under `vmap`)."""
+    add was made (whatever the routing, so it stays unbatched under `vmap`); `error` is the
+    failure a check recorded inside jit, as a ring's (see `equibuffer.check`)."""
 
     data: PyTree[Shaped[Array, "clusters capacity ..."]]
     head: Int[Array, " clusters"]
     fill: Int[Array, " clusters"]
     count: UInt32[Array, " clusters"]
     added: Bool[Array, ""]
+    error: UInt32[Array, "*stacked"]
     rows: int = eqx.field(static=True)
     num_clusters: int = eqx.field(static=True)
     cluster_capacity: int = eqx.field(static=True)
@@ -140,6 +142,11 @@ class ClusterStorage(eqx.Module):
         self.fill = jnp.zeros(num_clusters, jnp.int32)
         self.count = jnp.zeros(num_clusters, jnp.uint32)
         self.added = jnp.array(False)
+        self.error = jnp.zeros((), jnp.uint32)
+
+    def with_error(self, word: UInt32[Array, "*stacked"]) -> "ClusterStorage":
+        """The storage with failure `word` recorded, unless one is recorded already."""
+        return eqx.tree_at(lambda s: s.error, self, jnp.where(self.error != 0, self.error, word))
 
     def item(self) -> PyTree[jax.ShapeDtypeStruct]:
         """The shape and dtype of one item."""
@@ -699,6 +706,7 @@ class AbstractClusteredBuffer(AbstractReplayBuffer):
         """
         return self.storage.steps_in(batch, where)
 
+    @recorded
     def add(self: _Clustered, batch: ExperienceBatch) -> _Clustered:
         """Route every item of `batch` to its cluster and append it there (a full cluster
         overwrites its oldest items; when one `add` brings more than `cluster_capacity` items
@@ -801,6 +809,7 @@ class ClusteredBuffer(AbstractClusteredBuffer):
         self.cluster_fn = cluster_fn
         self.rule = UniformInCluster()  # pyright: ignore[reportIncompatibleVariableOverride]
 
+    @recorded
     def sample(self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1) -> ClusteredSample:
         """Draw `batch_size` items (with replacement, independently): for each, a cluster
         among those holding items, uniformly or by `weights` (renormalised over them), then an
@@ -949,6 +958,7 @@ class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSou
         """The priority exponent."""
         return self.rule.alpha
 
+    @recorded
     def sample(
         self,
         key: PRNGKeyArray,
@@ -1018,6 +1028,7 @@ class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSou
             cluster=drawn.cluster,
         )
 
+    @recorded
     def set_priorities(
         self,
         sample: Sample | Int[ArrayLike, " batch"],

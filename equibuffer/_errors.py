@@ -1,32 +1,46 @@
-"""The value checks inside jit: Equinox's `error_if`, raised from every device of a mesh.
+"""The value checks inside jit, and how their failures reach the user.
 
-`eqx.error_if` raises from a host callback that XLA runs on one device; on a mesh the other
-devices then wait for its result (or in the step's next collective) until XLA aborts the
-process. `error_if` and `branched_error_if` here keep Equinox's behaviour, messages and switch
-(`EQX_ON_ERROR`), and raise through `jax.debug.callback(..., partitioned=True)`, which runs on
-every device: each device fails its own part of the step, and the error surfaces at once. Under
-`shard_map` the predicate is first combined over the manual mesh axes, so every device raises
-even when only one device's rows are at fault.
+A check is `error_if(x, pred, msg)` (or `branched_error_if`, one of several messages): `x`
+is returned unchanged, and the failure `pred` is reported in one of these ways, chosen by
+`EQX_ON_ERROR` (Equinox's switch, read once at import):
 
-Where that cannot be done (another `EQX_ON_ERROR` than `raise`, a TPU, whose runtime cannot
-raise from a callback, an Equinox whose internals have moved, or a predicate known at trace
-time) the check is Equinox's own, unchanged. It is Equinox's own too in a process with one
-device, where no mesh can be (but inside `shard_map`, where Equinox's check does not trace): a
-debug callback is an effect, which takes every jitted call that holds one off JAX's fast C++
-dispatch (measured on the CPU: a jitted `sample` of 32 from Python
-67 -> 508 us per call, `set_priorities` 35 -> 298 us; inside a scan, `set_priorities` 0.44x).
+- **unset (the default): recorded.** Inside a buffer method marked `@recorded` (every
+    `add`, `sample`, `set_priorities` of every kind), a traced check costs no conditional
+    and no host callback: its message's code is folded into one `uint32` word per call,
+    kept in what the method returns (the ring's error word for a buffer, `Sample.error`
+    for a sample; the first failure is kept). It is raised, as an `EquinoxRuntimeError`
+    with the check's message, at the next host-side use: `eb.check(tree)`, a step wrapped
+    in `eb.filter_jit`, any eager method call on that buffer, `set_priorities` given that
+    sample, `Archive.write`. An eager check (concrete values) raises at once.
+    Measured on an NVIDIA H200: a conditional whose branch calls back into Python makes the
+    device wait for the host at every call (~27 us per check; shared/gpu/README.md).
+- `EQX_ON_ERROR=raise`: **immediate**, the debugging mode: each check is Equinox's
+    `eqx.error_if`, raised inside the jitted call that failed (at the cost above). On a
+    mesh it is raised from every device through `jax.debug.callback(..., partitioned=True)`
+    (Equinox's own runs on one device, and the others then wait in the step's next
+    collective until XLA aborts); under `shard_map` the predicate is first combined over
+    the manual axes.
+- `EQX_ON_ERROR=off`: no check at all. `nan` and `breakpoint`: Equinox's own.
+
+A check outside any `@recorded` method (`SumTree.set`/`get` used on their own,
+`steps_added()` inside jit) has no carrier for its word and is Equinox's own.
 """
 
+import contextvars
+import functools
 import importlib
 import logging
+import os
 import traceback
 import types
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
 from jaxtyping import ArrayLike, PyTree
 
 
@@ -60,13 +74,52 @@ class _QuietFailedCheck(logging.Filter):
 logging.getLogger("jax._src.debugging").addFilter(_QuietFailedCheck())
 
 
+# "record" unless `EQX_ON_ERROR` is set (Equinox's own default, "raise", is then the debugging
+# mode of immediate errors).
+MODE: str = os.environ.get("EQX_ON_ERROR", "record")
+
+# The messages of the checks traced in this process: a recorded word is an index into it
+# (0: no failure). Messages are registered at trace time, so the words of a program compiled
+# in this process read back as its own messages.
+_MESSAGES: list[str] = [""]
+_CODES: dict[str, int] = {}
+# The words of the checks traced inside the outermost `@recorded` method being traced.
+_COLLECTED: contextvars.ContextVar[list[jax.Array] | None] = contextvars.ContextVar(
+    "equibuffer_checks", default=None
+)
+
+
+def _code(msg: str) -> int:
+    code = _CODES.get(msg)
+    if code is None:
+        code = _CODES[msg] = len(_MESSAGES)
+        _MESSAGES.append(msg)
+    return code
+
+
+def _traced(*xs: Any) -> bool:
+    return any(isinstance(x, Tracer) for x in xs)
+
+
 def error_if(x: PyTree, pred: ArrayLike, msg: str) -> PyTree:
-    """`eqx.error_if(x, pred, msg)`, raised from every device of a mesh (see the module)."""
+    """A check of `pred` (fail when true) with one message; returns `x` (see the module)."""
     return branched_error_if(x, pred, 0, [msg])
 
 
 def branched_error_if(x: PyTree, pred: ArrayLike, index: ArrayLike, msgs: Sequence[str]) -> PyTree:
-    """`eqx.branched_error_if(x, pred, index, msgs)`, raised from every device of a mesh."""
+    """A check of `pred` with the message `msgs[index]`; returns `x` (see the module)."""
+    if MODE == "record":
+        if not _traced(pred, index):
+            if bool(np.any(np.asarray(pred))):
+                raise eqx.EquinoxRuntimeError(msgs[int(np.max(np.asarray(index)))])
+            return x
+        collected = _COLLECTED.get()
+        if collected is not None:
+            codes = jnp.asarray([_code(m) for m in msgs], jnp.uint32)
+            which = jnp.asarray(index, jnp.int32)
+            word = jnp.where(jnp.asarray(pred), codes[which], jnp.uint32(0))
+            collected.append(jnp.max(word) if word.ndim else word)
+            return x
     if (
         not _INTERNALS
         or EQX_ON_ERROR != "raise"
@@ -141,3 +194,193 @@ def _on_error(dynamic: PyTree, pred: jax.Array, index: jax.Array, failed: Any) -
 def _on_error_jvp(primals: tuple, tangents: tuple, **kwargs: Any) -> tuple:
     dynamic, pred, index, failed = primals
     return _on_error(dynamic, pred, index, failed), tangents[0]
+
+
+# ---------------------------------------------------------------------- recorded failures
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _carries(x: Any) -> bool:
+    """A ring (its error word) or a sample (`error`): what a recorded failure is kept in."""
+    return hasattr(type(x), "with_error")
+
+
+def recorded(method: _Method) -> _Method:
+    """Mark a buffer method whose traced checks are recorded (see the module): the words of
+    every check traced inside it, and inside the methods it calls, are folded into one and
+    kept in what it returns (the first ring of a returned buffer, every returned sample).
+    Called eagerly on a buffer holding a recorded failure, it raises that failure first."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if MODE != "record" or _COLLECTED.get() is not None:
+            return method(self, *args, **kwargs)
+        check(self, traced_ok=True)
+        token = _COLLECTED.set([])
+        try:
+            out = method(self, *args, **kwargs)
+            words = _COLLECTED.get()
+        finally:
+            _COLLECTED.reset(token)
+        return _attach(out, _fold(words)) if words else out
+
+    return wrapper  # pyright: ignore[reportReturnType]
+
+
+def record(word: jax.Array) -> None:
+    """Fold an already recorded word (a sample's `error`, passed back to `set_priorities`)
+    into the checks of the method being traced; an eager one raises at once."""
+    if MODE != "record":
+        return
+    if not _traced(word):
+        raise_recorded(int(np.max(np.asarray(word))))
+        return
+    collected = _COLLECTED.get()
+    if collected is not None:
+        collected.append(jnp.asarray(word, jnp.uint32))
+
+
+def _fold(words: list[jax.Array]) -> jax.Array:
+    """The first failure among `words` (in the order checked), one word for every batch
+    element under `vmap` and for every device under `shard_map`."""
+    word = words[0]
+    for w in words[1:]:
+        word = jnp.where(word != 0, word, w)
+    # Unbatched under vmap, as the counters it joins (so `can_sample()` stays unbatched).
+    word = eqx.internal.unvmap_max(word)
+    axes = _manual_axes()
+    if axes:
+        word = jax.lax.pmax(word, axes)
+    return word
+
+
+def _attach(out: Any, word: jax.Array) -> Any:
+    from ._buffers._samples import Sample  # (imports this module)
+
+    first = [True]
+
+    def put(x: Any) -> Any:
+        if not _carries(x):
+            return x
+        if not isinstance(x, Sample):  # a storage: the first one of the output carries it
+            if not first[0]:
+                return x
+            first[0] = False
+        return x.with_error(word)
+
+    return jax.tree.map(put, out, is_leaf=_carries)
+
+
+def raise_recorded(code: int) -> None:
+    """Raise the failure of recorded word `code` (a Python int), if any."""
+    if code:
+        msg = _MESSAGES[code] if code < len(_MESSAGES) else f"(failure {code} of another process)"
+        raise eqx.EquinoxRuntimeError(
+            f"{msg}\n\n(Recorded inside a jitted call and raised at the first use outside "
+            "jit; run with EQX_ON_ERROR=raise to raise inside the call that failed.)"
+        )
+
+
+def check(tree: PyTree[Any], *, traced_ok: bool = False) -> None:
+    """Raise the first failure that a check recorded inside jit in any buffer or sample of
+    `tree`; return `None` when there is none.
+
+    Inside a jitted step, a failed check (sampling a buffer that `can_sample()` says is not
+    ready, a negative priority, a full `Queue`, ...) does not stop the device: it is
+    recorded in what the method returns, the buffer's ring (`buffer.storage.error`) or the
+    sample (`sample.error`), at the cost of a few scalar operations and no wait for the host.
+    `check` reads those words with one copy to the host and raises the first failure as an
+    `equinox.EquinoxRuntimeError` with the check's own message. Call it on what a jitted step
+    returns (a train state, a sample, any pytree holding them), as often as you want errors
+    to surface: after every call, or every `n` steps when you log. [`equibuffer.filter_jit`][]
+    calls it after every call for you. An eager call raises at once, and an eager method of
+    a buffer holding a failure raises it before doing anything.
+
+    **Arguments:**
+
+    - `tree`: any pytree; its buffers and samples are checked (other leaves are ignored).
+    - `traced_ok`: what to do when `tree`'s words are traced (inside jit): nothing when
+        true; by default a `TypeError` (the words are only known on the host).
+
+    **Returns:**
+
+    `None`. Raises `equinox.EquinoxRuntimeError` with the first recorded failure's message.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, equinox as eqx, jax, jax.numpy as jnp
+
+        buffer = eb.ItemBuffer({"x": jnp.zeros(2)}, add_batch_size=1, capacity=8)
+        sample = eqx.filter_jit(lambda b, k: b.sample(k, 4))(buffer, jax.random.key(0))
+        try:
+            eb.check(sample)  # nothing was added: the sample recorded why it is not valid
+        except eqx.EquinoxRuntimeError as error:
+            assert "cannot be sampled yet" in str(error)
+        else:
+            raise AssertionError("not raised")
+        eb.check(buffer.add({"x": jnp.ones((1, 2))}))  # nothing recorded: no error
+        ```
+    """
+    words = [x.error for x in jax.tree.leaves(tree, is_leaf=_carries) if _carries(x)]
+    if not words:
+        return
+    if _traced(*words):
+        if traced_ok:
+            return
+        raise TypeError(
+            "eb.check() reads the recorded failures on the host: call it outside jit, on what "
+            "a jitted step returns."
+        )
+    for word in jax.device_get(words):
+        raise_recorded(int(np.max(word)))
+
+
+def filter_jit(fun: Callable[..., Any] | None = None, *, donate: str = "none") -> Any:
+    """`equinox.filter_jit`, and [`equibuffer.check`][] on every call's output: a checked
+    training step, in which every failure recorded by a buffer or sample that the step
+    returns is raised when the call returns.
+
+    This makes the host wait for the device once per call (to read the recorded words), and
+    never inside it. For a step that runs many iterations per call (a `lax.scan` or
+    `fori_loop` over environment steps) that is once per many steps. Use `eqx.filter_jit`
+    instead and call [`equibuffer.check`][] yourself when you log, for no wait at all.
+
+    **Arguments:**
+
+    - `fun`: the function to compile (or nothing, to use `filter_jit(donate=...)` as a
+        decorator).
+    - `donate`: as in `equinox.filter_jit`: `"all"`, `"all-except-first"`, `"warn"`,
+        `"warn-except-first"` or `"none"`.
+
+    **Returns:**
+
+    The compiled, checked function.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, equinox as eqx, jax, jax.numpy as jnp
+
+        @eb.filter_jit(donate="all")
+        def step(buffer, key):
+            buffer = buffer.add({"x": jnp.ones((1, 2))})
+            return buffer, buffer.sample(key, 4)
+
+        buffer = eb.ItemBuffer({"x": jnp.zeros(2)}, add_batch_size=1, capacity=8)
+        buffer, sample = step(buffer, jax.random.key(0))  # checked: nothing failed
+        assert sample.experience["x"].shape == (4, 2)
+        ```
+    """
+    if fun is None:
+        return functools.partial(filter_jit, donate=donate)
+    jitted = eqx.filter_jit(fun, donate=donate)  # pyright: ignore[reportArgumentType]
+
+    @functools.wraps(fun)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        out = jitted(*args, **kwargs)
+        check(out)
+        return out
+
+    return checked

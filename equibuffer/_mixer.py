@@ -13,6 +13,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree, Shaped
 from ._buffers._base import Sample
 from ._checks import check_positive_int, keystr, refuse_flashbax_only
 from ._custom_types import BoolScalar, IntScalar
+from ._errors import recorded
 from ._protocol import AbstractPrioritisedSource, AbstractSource
 
 
@@ -207,6 +208,7 @@ class Mixer(AbstractPrioritisedSource):
         """
         return jnp.sum(jnp.stack([b.size() for b in self.buffers]), dtype=jnp.int32)
 
+    @recorded
     def sample(
         self,
         key: PRNGKeyArray,
@@ -280,6 +282,7 @@ class Mixer(AbstractPrioritisedSource):
             row_blocks=blocks,
         )
 
+    @recorded
     def set_priorities(
         self, sample: MixedSample, priorities: Float[ArrayLike, " batch"]
     ) -> "Mixer":

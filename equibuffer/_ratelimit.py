@@ -13,7 +13,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 from ._buffers._base import Sample
 from ._checks import check_positive_int, refuse_flashbax_only
 from ._custom_types import BoolScalar, ExperienceBatch, StepCount
-from ._errors import error_if
+from ._errors import error_if, recorded
 from ._protocol import AbstractPrioritisedSource, AbstractReplayBuffer
 
 
@@ -288,6 +288,7 @@ class RateLimited(eqx.Module):
         self._check_deadlock(where, batch_size, 1, f"batch_size={batch_size} and one-step adds")
         return self.buffer.can_sample() & self._at_least(batch_size - self.tolerance)
 
+    @recorded
     def add(self, batch: ExperienceBatch) -> "RateLimited":
         """Return the limiter with `batch` added to the buffer and, if the buffer can be
         sampled after it, `samples_per_insert * add_batch_size * T` added to the credit.
@@ -341,6 +342,7 @@ class RateLimited(eqx.Module):
             (buffer, new_whole, new_fraction),
         )
 
+    @recorded
     def sample(
         self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1, **kwargs: Any
     ) -> tuple["RateLimited", Sample]:
@@ -392,6 +394,7 @@ class RateLimited(eqx.Module):
         )
         return eqx.tree_at(lambda r: r.credit_whole, self, new_whole), sample
 
+    @recorded
     def set_priorities(
         self, sample: Sample, priorities: Float[ArrayLike, " batch"], **kwargs: Any
     ) -> "RateLimited":

@@ -10,7 +10,7 @@ from jaxtyping import Array, Int, PyTree, Shaped, UInt32
 
 from ._checks import as_example_leaf, check_dtype, check_positive_int, check_structure, keystr
 from ._custom_types import Count, ExampleTree, ExperienceBatch, IntScalar, StepCount
-from ._errors import error_if
+from ._errors import error_if, raise_recorded
 
 
 _TWO_32 = 1 << 32
@@ -58,9 +58,9 @@ class RingStorage(eqx.Module):
     """
 
     data: PyTree[Shaped[Array, "rows length ..."]]
-    # `[head, fill, count_lo, count_hi]` in one array: each leaf of a buffer costs a jitted
-    # call from Python about 1 us to flatten and rebuild (see the properties below).
-    counters: UInt32[Array, "4"]
+    # `[head, fill, count_lo, count_hi, error]` in one array: each leaf of a buffer costs a
+    # jitted call from Python about 1 us to flatten and rebuild (see the properties below).
+    counters: UInt32[Array, "5"]
     rows: int = eqx.field(static=True)
     length: int = eqx.field(static=True)
 
@@ -78,7 +78,7 @@ class RingStorage(eqx.Module):
         self.data = jax.tree_util.tree_unflatten(
             treedef, [jnp.zeros((self.rows, self.length, *s.shape), s.dtype) for s in structs]
         )
-        self.counters = jnp.zeros(4, jnp.uint32)
+        self.counters = jnp.zeros(5, jnp.uint32)
 
     @property
     def head(self) -> Int[Array, ""]:
@@ -99,6 +99,21 @@ class RingStorage(eqx.Module):
     def count_hi(self) -> Count:
         """The high `uint32` word of the count of steps ever added per row."""
         return self.counters[3]
+
+    @property
+    def error(self) -> UInt32[Array, "*stacked"]:
+        """The failure recorded by a check inside jit (0-d `uint32`, 0 for none; one per
+        buffer of a stack of them, as `vmap` or `per_device` make): raised by
+        [`equibuffer.check`][] and at the buffer's next eager use (see
+        [Troubleshooting](../troubleshooting.md))."""
+        return self.counters[..., 4]
+
+    def with_error(self, word: UInt32[Array, "*stacked"]) -> "RingStorage":
+        """The storage with failure `word` recorded, unless one is recorded already (the
+        first failure is kept)."""
+        old = self.counters[..., 4]
+        counters = self.counters.at[..., 4].set(jnp.where(old != 0, old, word))
+        return eqx.tree_at(lambda s: s.counters, self, counters)
 
     def with_counters(
         self,
@@ -306,7 +321,9 @@ class RingStorage(eqx.Module):
         fill = jnp.minimum(self.fill + keep, length)
         lo = self.count_lo + jnp.uint32(t % _TWO_32)
         hi = self.count_hi + jnp.uint32(t // _TWO_32) + (lo < self.count_lo).astype(jnp.uint32)
-        counters = jnp.stack([head.astype(jnp.uint32), fill.astype(jnp.uint32), lo, hi])
+        counters = jnp.stack(
+            [head.astype(jnp.uint32), fill.astype(jnp.uint32), lo, hi, self.counters[4]]
+        )
         storage = eqx.tree_at(lambda s: (s.data, s.counters), self, (data, counters))
         return storage, Appended(keep, start.astype(jnp.int32), batch)
 
@@ -392,6 +409,8 @@ def check_batch(
 def host_counters(storage: RingStorage) -> tuple[int, int, int]:
     """`(head, fill, steps_added)` of `storage` as Python ints, from one host copy of its
     counters (outside jit): no JAX operation is dispatched (each would be compiled at its
-    first use in a process, ~20 ms, and cost a dispatch afterwards)."""
-    head, fill, lo, hi = (int(c) for c in jax.device_get(storage.counters))
+    first use in a process, ~20 ms, and cost a dispatch afterwards). A failure recorded in
+    the storage (see `equibuffer.check`) is raised: this is a use on the host."""
+    head, fill, lo, hi, error = (int(c) for c in jax.device_get(storage.counters))
+    raise_recorded(error)
     return head, fill, hi * _TWO_32 + lo

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
+import equibuffer as eb
 from equibuffer import ClusteredBuffer, PrioritisedClusteredBuffer
 
 from .helpers import chi_square_pvalue
@@ -30,7 +31,7 @@ def _batch(rng, rows, t, start):
     return jax.tree.map(jnp.asarray, batch)
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _add(buffer, batch):
     return buffer.add(batch)
 
@@ -71,7 +72,7 @@ def test_sampling_uniform_over_clusters_then_items(getkey):
     # Cluster 0 gets 1 item, cluster 1 gets 2, cluster 2 gets 3.
     batch = {"id": jnp.arange(6, dtype=jnp.int32), "ret": jnp.array([0.5, 1.5, 1.5, 2.5, 2.5, 2.5])}
     buffer = buffer.add(batch)
-    draw = eqx.filter_jit(lambda b, k: b.sample(k, 3000))
+    draw = eb.filter_jit(lambda b, k: b.sample(k, 3000))
     s = draw(buffer, getkey())
     ids, cluster = np.asarray(s.experience["id"]), np.asarray(s.cluster)
     np.testing.assert_array_equal(cluster, np.clip(np.floor(np.asarray(batch["ret"])[ids]), 0, 2))
@@ -129,13 +130,13 @@ def test_errors():
     with pytest.raises(ValueError, match=r"leaf \['ret'\] has shape \(3,\)"):
         buffer.add({"id": jnp.zeros(2, jnp.int32), "ret": jnp.zeros(3)})
     with pytest.raises(eqx.EquinoxRuntimeError, match="no cluster of positive weight"):
-        eqx.filter_jit(lambda b: b.sample(jax.random.key(0), 2))(buffer)
+        eb.filter_jit(lambda b: b.sample(jax.random.key(0), 2))(buffer)
     assert not bool(buffer.can_sample())
 
 
 @pytest.mark.parametrize("cls", [ClusteredBuffer, PrioritisedClusteredBuffer])
 def test_donating_jit_traces_once(cls):
-    @eqx.filter_jit(donate="all")
+    @eb.filter_jit(donate="all")
     @eqx.debug.assert_max_traces(max_traces=1)
     def step(buffer, batch, key):
         buffer = buffer.add(batch)
@@ -183,7 +184,7 @@ def test_vmapped_run_branches_on_can_sample(kind):
 
         return jax.lax.fori_loop(0, 6, body, (buffer, jnp.int32(0), jnp.int32(-1)))
 
-    buffers, learnt, newest = eqx.filter_jit(jax.vmap(train))(jnp.arange(4))
+    buffers, learnt, newest = eb.filter_jit(jax.vmap(train))(jnp.arange(4))
     assert buffers.storage.fill.shape == (4, 3)  # the routing is batched ...
     assert np.asarray(learnt).tolist() == [5] * 4  # ... the branch is not: steps 1 to 5 learn
     assert (np.asarray(newest) <= 4).all()  # only items added before each draw were drawn
@@ -239,7 +240,7 @@ def test_prioritised_sampling_law_chi_square():
     total = np.array([leaf[c == k].sum() for k in range(3)])
     within = np.where(total[c] > 0, leaf / np.where(total[c] > 0, total[c], 1.0), 0.0)
     want = share[c] * within
-    draw = eqx.filter_jit(lambda b, k: b.sample(k, 2000, beta=0.5))
+    draw = eb.filter_jit(lambda b, k: b.sample(k, 2000, beta=0.5))
     counts = np.zeros(9)
     for i in range(10):
         s = draw(buffer, jax.random.key(i))
@@ -259,7 +260,7 @@ def test_prioritised_sampling_law_chi_square():
 def test_alpha_zero_is_the_uniform_clustered_law_with_unit_weights(getkey):
     batch, _ = _routed([0, 1, 1, 2, 2, 2])
     buffer = _prioritised(alpha=0.0, rows=6).add(batch)
-    s = eqx.filter_jit(lambda b, k: b.sample(k, 3000, beta=1.0))(buffer, getkey())
+    s = eb.filter_jit(lambda b, k: b.sample(k, 3000, beta=1.0))(buffer, getkey())
     ids = np.asarray(s.experience["id"])
     want = np.array([1 / 3, 1 / 6, 1 / 6, 1 / 9, 1 / 9, 1 / 9])  # as for ClusteredBuffer
     assert chi_square_pvalue(np.bincount(ids, minlength=6), want) > 1e-3
@@ -279,7 +280,7 @@ def test_set_priorities_go_to_their_cluster_and_stale_ones_are_dropped():
     # Cluster 0 is overwritten by two new items (entering at priority 1); 1 and 2 keep theirs.
     overwritten = buffer.add({"id": jnp.array([10, 11], jnp.int32), "ret": jnp.zeros(2)})
     priorities = jnp.asarray(drawn + 2.0, jnp.float32)  # item i gets priority i + 2
-    set_ = eqx.filter_jit(lambda b, s, p: b.set_priorities(s, p))
+    set_ = eb.filter_jit(lambda b, s, p: b.set_priorities(s, p))
     updated = set_(overwritten, sample, priorities)
     np.testing.assert_array_equal(np.asarray(updated.trees[0].values()), [1.0, 1.0])  # dropped
     # Each current item's priority (alpha=1) is in its own cluster's tree, at its own slot.
@@ -296,7 +297,7 @@ def test_set_priorities_go_to_their_cluster_and_stale_ones_are_dropped():
 
 def test_prioritised_errors():
     buffer = _prioritised(4, rows=2)
-    draw = eqx.filter_jit(lambda b, beta: b.sample(jax.random.key(0), 4, beta=beta))
+    draw = eb.filter_jit(lambda b, beta: b.sample(jax.random.key(0), 4, beta=beta))
     with pytest.raises(eqx.EquinoxRuntimeError, match="no cluster of positive weight holds"):
         draw(buffer, 0.5)
     assert not bool(buffer.can_sample())
@@ -315,7 +316,7 @@ def test_prioritised_errors():
         draw(buffer, jnp.float32(-1.0))
     with pytest.raises(ValueError, match=r"`beta` must be finite and >= 0, got -1\.0"):
         buffer.sample(jax.random.key(0), 4, beta=-1.0)
-    set_ = eqx.filter_jit(lambda b, i, p, s: b.set_priorities(i, p, steps=s))
+    set_ = eb.filter_jit(lambda b, i, p, s: b.set_priorities(i, p, steps=s))
     steps = jnp.zeros(1, jnp.uint32)
     with pytest.raises(
         eqx.EquinoxRuntimeError,

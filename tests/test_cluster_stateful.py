@@ -13,7 +13,6 @@ Only the public API is used, and every buffer is built by `_make`.
 import dataclasses
 from typing import Any
 
-import equinox as eqx
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -78,7 +77,7 @@ DROPPED = 8.0  # the priority of updates to items overwritten since (must be dro
 OUT_OF_RANGE = r"outside \[0, num_clusters=[0-9]+\)"
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _add(buffer, batch):
     buffer = buffer.add(batch)
     return buffer, {
@@ -88,22 +87,22 @@ def _add(buffer, batch):
     }
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _sample(buffer, key):
     return buffer.sample(key, BATCH)
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _sample_prioritised(buffer, key, beta):
     return buffer.sample(key, BATCH, beta=beta)
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _set(buffer, sample, priorities):
     return buffer.set_priorities(sample, priorities), buffer.max_priority
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _set_by_index(buffer, indices, priorities, steps):
     return buffer.set_priorities(indices, priorities, steps=steps)
 

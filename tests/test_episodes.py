@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import equibuffer as eb
 from equibuffer._buffers._episodes import (
     EpisodeSample,
     EpisodeTrajectoryBuffer,
@@ -44,10 +45,10 @@ def _make(cls: type, mode: Any) -> Any:
     )  # fmt: skip
 
 
-_add = eqx.filter_jit(lambda b, batch: b.add(batch))
-_sample = eqx.filter_jit(lambda b, k: b.sample(k, N))
-_psample = eqx.filter_jit(lambda b, k, beta: b.sample(k, N, beta=beta))
-_set = eqx.filter_jit(lambda b, sample, p: b.set_priorities(sample, p))
+_add = eb.filter_jit(lambda b, batch: b.add(batch))
+_sample = eb.filter_jit(lambda b, k: b.sample(k, N))
+_psample = eb.filter_jit(lambda b, k, beta: b.sample(k, N, beta=beta))
+_set = eb.filter_jit(lambda b, sample, p: b.set_priorities(sample, p))
 
 
 def _draw(buffer, key):
@@ -358,7 +359,7 @@ def test_prioritised_update_keeps_or_resets_priorities(getkey):
     # Relabel: episodes end at steps 3, 9 instead. Windows valid before and after keep
     # their priority (0, 6), newly valid ones enter at the max seen (4), the others drop
     # to 0 (2, 8).
-    buffer = eqx.filter_jit(lambda b: b.update(_relabel))(buffer)
+    buffer = eb.filter_jit(lambda b: b.update(_relabel))(buffer)
     ref.relabel(_values(ROWS, 0, 12) % 100_000 % 6 == 3)
     _check_state(buffer, ref)
     after = ref.valid()
@@ -378,7 +379,7 @@ def test_episode_end_function_and_update():
     buffer = EpisodeTrajectoryBuffer(
         example, add_batch_size=1, max_length_time_axis=8, sequence_length=3, episode_end=_end_of
     )
-    add = eqx.filter_jit(lambda b, batch: b.add(batch))
+    add = eb.filter_jit(lambda b, batch: b.add(batch))
     # 10 steps into a ring of 8: only steps 2-9 are kept. Ends at 3 and 5.
     x = jnp.arange(10, dtype=jnp.int32)[None]
     term, trunc = x == 3, x == 5
@@ -391,7 +392,7 @@ def test_episode_end_function_and_update():
     buffer = add(buffer, {"x": x, "terminated": no, "truncated": no})
     assert int(buffer.num_valid_windows()) == 6  # held 12-19: starts 12-17
     # Relabel: a truncation at step 14 leaves starts 12 (ends at its last), 15, 16, 17.
-    relabel = eqx.filter_jit(lambda b: b.update(lambda s: {**s, "truncated": s["x"] == 14}))
+    relabel = eb.filter_jit(lambda b: b.update(lambda s: {**s, "truncated": s["x"] == 14}))
     buffer = relabel(buffer)
     assert int(buffer.num_valid_windows()) == 4
     slots = np.flatnonzero(np.asarray(buffer.tree.nodes)[:8])
@@ -495,7 +496,7 @@ def test_donated_jit_does_not_retrace(getkey):
     uniform = Uniform(example, mode="pad", **kw)
     prioritised = Prioritised(example, mode="pad", **kw)
 
-    @eqx.filter_jit(donate="all")
+    @eb.filter_jit(donate="all")
     @eqx.debug.assert_max_traces(max_traces=1)
     def step(uniform, prioritised, batch, key):
         k_u, k_p = jax.random.split(key)
@@ -529,7 +530,7 @@ def test_motivating_case_scaled(mode, getkey):
     obs = jnp.zeros((envs, 120, 4, 4, 3), jnp.uint8)
     steps = jnp.broadcast_to(jnp.arange(120, dtype=jnp.int32), (envs, 120))
     batch = {"obs": obs, "step": steps, "done": jnp.asarray(done)}
-    buffer = eqx.filter_jit(lambda b, x: b.add(x))(buffer, batch)
+    buffer = eb.filter_jit(lambda b, x: b.add(x))(buffer, batch)
     leaves = np.asarray(buffer.tree.nodes)[: envs * 160].reshape(envs, 160)
     # Windows at any step of the long episode: 11-50 and 27-66, not only 0-39, 40-79.
     assert leaves[0, 11] > 0 and leaves[0, 27] > 0 and leaves[0, 80] > 0
@@ -538,7 +539,7 @@ def test_motivating_case_scaled(mode, getkey):
         assert not leaves[1::2].any()  # 20-step episodes are skipped
     else:
         assert (leaves[1::2, :120] > 0).all()  # every start of a short episode, padded
-    sample = eqx.filter_jit(lambda b, k: b.sample(k, 512))(buffer, getkey())
+    sample = eb.filter_jit(lambda b, k: b.sample(k, 512))(buffer, getkey())
     starts = np.asarray(sample.steps)
     assert (starts % s != 0).any()
     first = np.asarray(sample.experience["step"][:, 0])

@@ -10,7 +10,6 @@ from a small set, so that each one's jitted functions compile once per process.
 import dataclasses
 from typing import Any
 
-import equinox as eqx
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -96,29 +95,29 @@ def _observe(buffer) -> dict[str, Any]:
     }
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _add(buffer, batch):
     buffer = buffer.add(batch)
     return buffer, _observe(buffer)
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _sample(buffer, key):
     return buffer.sample(key, BATCH)
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _psample(buffer, key, beta):
     return buffer.sample(key, BATCH, beta=beta)
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _set(buffer, sample, priorities):
     buffer = buffer.set_priorities(sample, priorities)
     return buffer, _observe(buffer)
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _set_at(buffer, indices, steps, priorities):
     buffer = buffer.set_priorities(indices, priorities, steps=steps)
     return buffer, _observe(buffer)

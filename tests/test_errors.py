@@ -79,7 +79,7 @@ def test_zero_steps():
 
 def test_errors_also_at_trace_time_under_jit():
     with pytest.raises(TypeError, match="expected int32"):
-        eqx.filter_jit(lambda b, x: b.add(x))(
+        eb.filter_jit(lambda b, x: b.add(x))(
             _traj(), {"obs": jnp.zeros((4, 3)), "action": jnp.zeros(4)}
         )
 
@@ -164,7 +164,7 @@ def test_sampling_too_early_raises_instead_of_zeros(jit):
     buffer = _traj().add(_batch(t=2))  # 2 steps per row < sequence_length 3
     sample = lambda b, k: b.sample(k, 5)  # noqa: E731
     if jit:
-        sample = eqx.filter_jit(sample)
+        sample = eb.filter_jit(sample)
     with pytest.raises(eqx.EquinoxRuntimeError, match="cannot be sampled yet.*buffer.can_sample"):
         jax.block_until_ready(sample(buffer, jax.random.key(0)))
 
@@ -177,7 +177,7 @@ def test_numpy_64_bit_inputs_agree_eager_and_jitted(jitted):
     import numpy as np
 
     example = {"x": jnp.zeros(3), "i": jnp.int32(0)}
-    add = eqx.filter_jit(lambda b, x: b.add(x)) if jitted else (lambda b, x: b.add(x))
+    add = eb.filter_jit(lambda b, x: b.add(x)) if jitted else (lambda b, x: b.add(x))
     buffer = eb.TrajectoryBuffer(example, add_batch_size=2, capacity=16, sequence_length=2)
     batch = {"x": np.arange(6.0).reshape(2, 3), "i": np.arange(2)}
     assert batch["x"].dtype == np.float64 and batch["i"].dtype == np.int64

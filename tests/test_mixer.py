@@ -58,7 +58,7 @@ def test_shares_sources_and_per_source_distributions():
     prio = prio.set_priorities(indices, priorities, steps=steps)
     mixer = Mixer((uniform, prio), proportions=(0.7, 0.3))
     assert mixer.counts(50) == (35, 15)
-    draw = eqx.filter_jit(lambda m, k: m.sample(k, 50, beta=0.5))
+    draw = eb.filter_jit(lambda m, k: m.sample(k, 50, beta=0.5))
     uniform_counts = np.zeros(10)
     prio_counts = np.zeros(8)
     for i in range(200):
@@ -131,7 +131,7 @@ def test_empty_source_raises_inside_jit():
     mixer = Mixer((a, b), proportions=(0.5, 0.5))
     assert not bool(mixer.can_sample())
     with pytest.raises(eqx.EquinoxRuntimeError, match="cannot be sampled yet"):
-        eqx.filter_jit(lambda m: m.sample(jax.random.key(0), 4))(mixer)
+        eb.filter_jit(lambda m: m.sample(jax.random.key(0), 4))(mixer)
 
 
 def test_in_a_donating_train_step_traces_once():
@@ -139,7 +139,7 @@ def test_in_a_donating_train_step_traces_once():
         mixer: Mixer
         total: jax.Array
 
-    @eqx.filter_jit(donate="all")
+    @eb.filter_jit(donate="all")
     @eqx.debug.assert_max_traces(max_traces=1)
     def step(state, key, i):
         online = state.mixer.buffers[0].add({"x": jnp.full((2,), i, jnp.int32)})
@@ -185,7 +185,7 @@ def test_clustered_sources_rows_data_and_priorities_routed_back():
     )
     mixer = Mixer((items, uniform, prio), proportions=(0.25, 0.25, 0.5))
     assert mixer.counts(16) == (4, 4, 8)
-    s = eqx.filter_jit(lambda m, k: m.sample(k, 16, beta=1.0))(mixer, jax.random.key(0))
+    s = eb.filter_jit(lambda m, k: m.sample(k, 16, beta=1.0))(mixer, jax.random.key(0))
     got = np.asarray(s.experience["x"])
     np.testing.assert_array_equal(np.asarray(s.source), [0] * 4 + [1] * 4 + [2] * 8)
     assert set(got[:4].tolist()) <= {0, 1, 2, 1000, 1001, 1002}
@@ -200,7 +200,7 @@ def test_clustered_sources_rows_data_and_priorities_routed_back():
     np.testing.assert_array_equal(np.asarray(s.samples[1].cluster), got[4:8] > 0)
     # Each prioritised row's priority is |x| - 200 (one per item, whatever row it is on).
     priorities = jnp.asarray(np.concatenate([np.full(8, 50.0), np.abs(got[8:]) - 200.0]))
-    updated = eqx.filter_jit(lambda m, s, p: m.set_priorities(s, p))(mixer, s, priorities)
+    updated = eb.filter_jit(lambda m, s, p: m.set_priorities(s, p))(mixer, s, priorities)
     trees = updated.buffers[2].trees
     for i, (c, index) in enumerate(
         zip(np.asarray(part.cluster), np.asarray(part.indices), strict=True)

@@ -95,7 +95,7 @@ REFUSALS = {
 }
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _add(mixer, i, batch):
     mixer = eqx.tree_at(lambda m: m.buffers[i], mixer, mixer.buffers[i].add(batch))
     return mixer, {
@@ -105,12 +105,12 @@ def _add(mixer, i, batch):
     }
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _sample(mixer, key, beta):
     return mixer.sample(key, BATCH, beta=beta)
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _set(mixer, sample, priorities):
     return mixer.set_priorities(sample, priorities)
 

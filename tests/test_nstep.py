@@ -82,7 +82,7 @@ def test_buffer_matches_python_reference(n, getkey):
     )
     assert buffer.sequence_length == n + 1 and buffer.min_length_time_axis == n + 1
     history = _episodes(rng, rows, 30)
-    sample_fn = eqx.filter_jit(lambda b, k: b.sample(k, 128))
+    sample_fn = eb.filter_jit(lambda b, k: b.sample(k, 128))
     added = 0
     for t in (3, 5, 1, 9, 12):  # wraps the ring several times
         chunk = {k: jnp.asarray(v[:, added : added + t]) for k, v in history.items()}
@@ -161,11 +161,11 @@ def test_errors():
     )
     buffer = buffer.add(jax.tree.map(lambda x: jnp.zeros((1, 3, *x.shape), x.dtype), ex))
     with pytest.raises(eqx.EquinoxRuntimeError, match="n_step \\+ 1 = 4"):
-        eqx.filter_jit(lambda b: b.sample(jax.random.key(0), 4))(buffer)
+        eb.filter_jit(lambda b: b.sample(jax.random.key(0), 4))(buffer)
 
 
 def test_donating_jit_traces_once():
-    @eqx.filter_jit(donate="all")
+    @eb.filter_jit(donate="all")
     @eqx.debug.assert_max_traces(max_traces=1)
     def step(buffer, batch, key):
         buffer = buffer.add(batch)

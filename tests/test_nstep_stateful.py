@@ -9,7 +9,6 @@ Only the public API is used, and every buffer is built by `_make`.
 import dataclasses
 from typing import Any
 
-import equinox as eqx
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -74,7 +73,7 @@ FLAG = st.sampled_from([False, False, False, True])
 TOO_EARLY = "cannot be sampled yet"
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _add(buffer, batch):
     buffer = buffer.add(batch)
     return buffer, {
@@ -84,7 +83,7 @@ def _add(buffer, batch):
     }
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _sample(buffer, key):
     return buffer.sample(key, BATCH)
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
+import equibuffer as eb
 from equibuffer._buffers._prioritised import (
     PrioritisedItemBuffer,
     PrioritisedSample,
@@ -85,9 +86,9 @@ class PrioritisedReference(ReferenceRing):
         return out
 
 
-_add = eqx.filter_jit(lambda b, x: b.add(x))
-_sample = eqx.filter_jit(lambda b, k, n, beta: b.sample(k, n, beta=beta))
-_set = eqx.filter_jit(lambda b, s, p: b.set_priorities(s, p))
+_add = eb.filter_jit(lambda b, x: b.add(x))
+_sample = eb.filter_jit(lambda b, k, n, beta: b.sample(k, n, beta=beta))
+_set = eb.filter_jit(lambda b, s, p: b.set_priorities(s, p))
 
 
 class PrioritisedMachine(CountedMachine):
@@ -224,7 +225,7 @@ def test_probabilities_and_weights_follow_the_formulas():
         np.testing.assert_allclose(np.asarray(sample.weights), w / w.max(), rtol=1e-5)
         assert float(jnp.max(sample.weights)) == 1.0
     # beta may be an array (annealed without retracing).
-    sample = eqx.filter_jit(lambda b, k, beta: b.sample(k, 4, beta=beta))(
+    sample = eb.filter_jit(lambda b, k, beta: b.sample(k, 4, beta=beta))(
         buffer, jax.random.key(2), jnp.float32(0.5)
     )
     assert sample.weights.shape == (4,)
@@ -270,7 +271,7 @@ def test_duplicate_updates_one_of_them_is_applied():
     buffer = _make("item", 1, 6, alpha=1.0).add(_batch(1, 0, 6))
     indices = jnp.array([2, 4, 2, 2], jnp.int32)
     steps = jnp.array([2, 4, 2, 2], jnp.uint32)
-    update = eqx.filter_jit(lambda b, i, st, p: b.set_priorities(i, p, steps=st))
+    update = eb.filter_jit(lambda b, i, st, p: b.set_priorities(i, p, steps=st))
     buffer = update(buffer, indices, steps, jnp.array([5.0, 3.0, 7.0, 0.5]))
     leaves = np.asarray(buffer.tree.values())
     assert leaves[2] in (5.0, 7.0, 0.5) and leaves[4] == 3.0
@@ -285,7 +286,7 @@ def test_all_priorities_zero_makes_sample_raise_not_can_sample():
     buffer = buffer.set_priorities(indices, jnp.zeros(indices.shape[0]), steps=steps)
     assert bool(buffer.can_sample())  # counters only
     with pytest.raises(Exception, match="every valid window has priority 0"):
-        eqx.filter_jit(lambda b, k: b.sample(k, 4))(buffer, jax.random.key(0))
+        eb.filter_jit(lambda b, k: b.sample(k, 4))(buffer, jax.random.key(0))
     # New data enters at the max priority seen (1.0 here) and makes it sampleable again.
     sample = buffer.add(_batch(2, 3, None)).sample(jax.random.key(0), 8)
     np.testing.assert_array_equal(np.asarray(sample.experience["t"]) % 100_000, 3)
@@ -303,7 +304,7 @@ def test_sampling_an_empty_buffer_raises():
     buffer = _make("transition", 1, 4).add(_batch(1, 0, None))
     assert not bool(buffer.can_sample())
     with pytest.raises(Exception, match="cannot be sampled yet"):
-        eqx.filter_jit(lambda b, k: b.sample(k, 4))(buffer, jax.random.key(0))
+        eb.filter_jit(lambda b, k: b.sample(k, 4))(buffer, jax.random.key(0))
 
 
 @pytest.mark.parametrize("bad", [-1.0, np.nan, np.inf])
@@ -332,7 +333,7 @@ def test_argument_errors():
 
 @pytest.mark.parametrize("kind", ["trajectory", "transition", "item"])
 def test_jitted_donated_loop_never_retraces(kind):
-    @eqx.filter_jit(donate="all")
+    @eb.filter_jit(donate="all")
     @eqx.debug.assert_max_traces(max_traces=1)
     def step(buffer, batch, key):
         buffer = buffer.add(batch)

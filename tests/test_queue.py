@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis.stateful import initialize, invariant, rule
 
+import equibuffer as eb
 from equibuffer._buffers._queue import Queue
 
 from .helpers import CountedMachine, stateful_settings
@@ -27,12 +28,12 @@ def _batch(rows, start, t):
     return jax.tree.map(jnp.asarray, batch)
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _add(queue, batch):
     return queue.add(batch)
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _sample(queue):
     return queue.sample()
 
@@ -153,7 +154,7 @@ def test_bad_configuration_and_input():
 def test_donating_jit_rollout_loop_traces_once():
     """A PPO-style loop: add a rollout every step, consume it when ready."""
 
-    @eqx.filter_jit(donate="all")
+    @eb.filter_jit(donate="all")
     @eqx.debug.assert_max_traces(max_traces=1)
     def step(queue, i):
         batch = jax.tree.map(lambda x: x + i.astype(x.dtype), _batch(4, 0, 2))

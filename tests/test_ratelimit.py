@@ -114,7 +114,7 @@ ADD_STEPS = (1, 2, 3)
 BATCHES = (1, 2, 4)
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _apply(limited, op, i):
     """Op `op` (an add of `ADD_STEPS[op]` steps, then a sample of `BATCHES[op - 3]` windows,
     or nothing for the last index) as one `lax.switch`, so each configuration compiles once;
@@ -182,7 +182,7 @@ def test_counters_match_reference(setup, ops):
         assert Fraction(float(credit)) == ref.credit  # exact: every value is dyadic
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _flags(limited):
     """`can_add(1), can_add(2)`, `can_sample(1..4)` and the credit, in one compiled call."""
     adds = [limited.can_add(t) for t in (1, 2)]
@@ -202,8 +202,8 @@ def test_warm_up_rule():
         EXAMPLE, add_batch_size=2, max_length_time_axis=8, min_length_time_axis=3
     )
     limited = RateLimited(buffer, samples_per_insert=1.0, tolerance=3.0)
-    add = eqx.filter_jit(lambda lim, b: lim.add(b))
-    sample = eqx.filter_jit(lambda lim, k: lim.sample(k, 3)[0])
+    add = eb.filter_jit(lambda lim, b: lim.add(b))
+    sample = eb.filter_jit(lambda lim, k: lim.sample(k, 3)[0])
     for _ in range(2):
         assert _flag_lists(limited)[:2] == ([True, True], [False] * 4)
         assert _flag_lists(limited)[2] == 0.0
@@ -248,7 +248,7 @@ def _run(limited, batch_size, iterations):
         )
         return limited, (act, counted, learn)
 
-    return eqx.filter_jit(lambda lim: jax.lax.scan(body, lim, jnp.arange(iterations)))(limited)
+    return eb.filter_jit(lambda lim: jax.lax.scan(body, lim, jnp.arange(iterations)))(limited)
 
 
 @pytest.mark.parametrize("spi", [0.25, 4.0, 0.1])
@@ -319,7 +319,7 @@ def test_training_loop_under_donating_jit_traces_once():
     )
     limited = RateLimited(buffer, samples_per_insert=2.0, tolerance=6.0)
 
-    @eqx.filter_jit(donate="all")
+    @eb.filter_jit(donate="all")
     @eqx.debug.assert_max_traces(max_traces=1)
     def step(limited, key, t):
         batch = {"obs": jnp.full((rows, 3), t.astype(jnp.float32)), "t": jnp.full(rows, t)}
@@ -396,15 +396,15 @@ def test_vmapped_training_runs_with_cond_on_can_sample():
 def test_prioritised_buffer_forwards_beta_and_set_priorities():
     buffer = eb.PrioritisedTransitionBuffer(EXAMPLE, add_batch_size=2, capacity=16)
     limited = RateLimited(buffer, samples_per_insert=1.0, tolerance=8.0)
-    limited = eqx.filter_jit(lambda lim, b: lim.add(b))(limited, _steps(2, 4, 1.0))
+    limited = eb.filter_jit(lambda lim, b: lim.add(b))(limited, _steps(2, 4, 1.0))
     key = jax.random.key(3)
 
-    @eqx.filter_jit
+    @eb.filter_jit
     def both(limited, key, beta):
         new, sample = limited.sample(key, 6, beta=beta)
         return new, sample, limited.buffer.sample(key, 6, beta=beta)
 
-    @eqx.filter_jit
+    @eb.filter_jit
     def update(limited, sample, priorities):
         return limited.set_priorities(sample, priorities)
 
@@ -480,7 +480,7 @@ def test_deadlock_is_refused_at_trace_time():
     assert bool(limited.can_add(1))
     # The same refusal at trace time inside jit: a plain Python error, not a runtime one.
     with pytest.raises(ValueError, match="can deadlock"):
-        eqx.filter_jit(lambda lim: lim.can_sample(8))(limited)
+        eb.filter_jit(lambda lim: lim.can_sample(8))(limited)
 
 
 def test_bad_arguments():
@@ -517,13 +517,13 @@ def test_bad_arguments():
 
 def test_sampling_an_empty_buffer_raises_the_buffers_error():
     with pytest.raises(eqx.EquinoxRuntimeError, match="cannot be sampled yet"):
-        eqx.filter_jit(lambda lim, k: lim.sample(k, 2))(_limited(), jax.random.key(0))
+        eb.filter_jit(lambda lim, k: lim.sample(k, 2))(_limited(), jax.random.key(0))
 
 
 def test_a_loop_that_ignores_the_limiter_is_stopped_not_overflowed():
     # Adding without ever sampling: 2**28 windows of credit per add, past 2**30 on the 5th.
     limited = RateLimited(eb.ItemBuffer(EXAMPLE, add_batch_size=1, capacity=8), 2.0**28, 2.0**28)
-    add = eqx.filter_jit(lambda lim, b: lim.add(b))
+    add = eb.filter_jit(lambda lim, b: lim.add(b))
     for _ in range(4):
         limited = add(limited, _steps(1, None))
     assert int(limited.credit_whole) == 2**30
@@ -532,7 +532,7 @@ def test_a_loop_that_ignores_the_limiter_is_stopped_not_overflowed():
     # Sampling without adding, from a credit just above the bound.
     limited = _limited().add(_steps(2, None))
     limited = eqx.tree_at(lambda r: r.credit_whole, limited, jnp.array(-(2**30) + 3, jnp.int32))
-    sample = eqx.filter_jit(lambda lim, k: lim.sample(k, 3)[0])
+    sample = eb.filter_jit(lambda lim, k: lim.sample(k, 3)[0])
     limited = sample(limited, jax.random.key(0))
     assert int(limited.credit_whole) == -(2**30)
     with pytest.raises(eqx.EquinoxRuntimeError, match=r"fell below -2\*\*30.*can_sample"):

@@ -93,8 +93,8 @@ def test_each_block_draws_its_own_rows_by_the_rule(kind):
 def test_one_block_is_the_plain_sample(kind):
     buffer = _filled(KINDS[kind]())
     key = jax.random.key(3)
-    a = eqx.filter_jit(lambda b: b.sample(key, 16))(buffer)
-    b = eqx.filter_jit(lambda b: b.sample(key, 16, row_blocks=1))(buffer)
+    a = eb.filter_jit(lambda b: b.sample(key, 16))(buffer)
+    b = eb.filter_jit(lambda b: b.sample(key, 16, row_blocks=1))(buffer)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -118,9 +118,9 @@ def test_a_block_with_nothing_to_draw_raises():
     per = R // BLOCKS * L
     indices = jnp.arange(per)  # every window of block 0 to priority 0
     buffer = buffer.set_priorities(indices, jnp.zeros(per), steps=_slot_steps(buffer, indices))
-    eqx.filter_jit(lambda b: b.sample(jax.random.key(0), 8))(buffer)  # globally fine
+    eb.filter_jit(lambda b: b.sample(jax.random.key(0), 8))(buffer)  # globally fine
     with pytest.raises(eqx.EquinoxRuntimeError, match="one of the row_blocks=2 blocks"):
-        eqx.filter_jit(lambda b: b.sample(jax.random.key(0), 8, row_blocks=BLOCKS))(buffer)
+        eb.filter_jit(lambda b: b.sample(jax.random.key(0), 8, row_blocks=BLOCKS))(buffer)
 
 
 @pytest.mark.parametrize(("capacity", "blocks"), [(12, 3), (2 * 512, 2), (4 * 40, 4)])
@@ -284,9 +284,9 @@ def test_clustered_block_with_nothing_held_raises(kind):
     )
     # 3 items per cluster: block 1 (slots 4-7) of every cluster is empty.
     buffer = buffer.add({"t": jnp.zeros((2, 3), jnp.int32), "c": jnp.array([[0, 1, 2]] * 2)})
-    sample = eqx.filter_jit(lambda b: b.sample(jax.random.key(0), 8))
+    sample = eb.filter_jit(lambda b: b.sample(jax.random.key(0), 8))
     sample(buffer)  # globally fine
-    blocks = eqx.filter_jit(lambda b: b.sample(jax.random.key(0), 8, row_blocks=2))
+    blocks = eb.filter_jit(lambda b: b.sample(jax.random.key(0), 8, row_blocks=2))
     with pytest.raises(eqx.EquinoxRuntimeError, match="in one of the row_blocks=2 blocks of slots"):
         blocks(buffer)
     buffer = buffer.add({"t": jnp.zeros((2, 2), jnp.int32), "c": jnp.zeros((2, 2), jnp.int32)})
@@ -299,9 +299,9 @@ def test_prioritised_clustered_block_at_priority_zero_raises():
     slot = jnp.array([4, 5, 6, 7, 4, 5], jnp.int32)
     _, steps = buffer.storage.numbers(cluster, slot)
     buffer = buffer.set_priorities(cluster * CAP + slot, jnp.zeros(6), steps=steps)
-    eqx.filter_jit(lambda b: b.sample(jax.random.key(0), 8))(buffer)  # globally fine
+    eb.filter_jit(lambda b: b.sample(jax.random.key(0), 8))(buffer)  # globally fine
     with pytest.raises(eqx.EquinoxRuntimeError, match="every item held in the clusters of"):
-        eqx.filter_jit(lambda b: b.sample(jax.random.key(0), 8, row_blocks=2))(buffer)
+        eb.filter_jit(lambda b: b.sample(jax.random.key(0), 8, row_blocks=2))(buffer)
 
 
 # --- Mixer: block d of the mix = block d of each source's own sample ------------------------
@@ -318,7 +318,7 @@ def test_mixer_block_d_is_block_d_of_each_source():
     mixer = eb.Mixer((ring, prioritised), (0.25, 0.75))
     assert mixer.counts(16) == (4, 12)
     key = jax.random.key(4)
-    sample = eqx.filter_jit(lambda m: m.sample(key, 16, beta=0.5, row_blocks=2))(mixer)
+    sample = eb.filter_jit(lambda m: m.sample(key, 16, beta=0.5, row_blocks=2))(mixer)
     assert sample.row_blocks == 2
     # The sources' own samples, with the keys the mixer gives them.
     k0, k1 = jax.random.split(key, 2)
@@ -342,7 +342,7 @@ def test_mixer_block_d_is_block_d_of_each_source():
     assert (rows[1].reshape(2, -1)[0] < 2).all() and (rows[1].reshape(2, -1)[1] >= 2).all()
     # set_priorities hands each prioritised source its own rows, in its own order.
     priorities = jnp.arange(1.0, 17.0)
-    updated = eqx.filter_jit(lambda m, s: m.set_priorities(s, priorities))(mixer, sample)
+    updated = eb.filter_jit(lambda m, s: m.set_priorities(s, priorities))(mixer, sample)
     mine = priorities.reshape(2, 8)[:, 2:].reshape(-1)
     direct = prioritised.set_priorities(own[1], mine)
     np.testing.assert_array_equal(
@@ -380,7 +380,7 @@ def test_rate_limited_passes_row_blocks_and_counts_the_whole_batch():
     limited = limited.add({"t": jnp.zeros((R, 2), jnp.int32), **_steps(2)})
     credit = float(limited.credit())
     key = jax.random.key(7)
-    after, sample = eqx.filter_jit(lambda r: r.sample(key, 8, row_blocks=2, beta=0.4))(limited)
+    after, sample = eb.filter_jit(lambda r: r.sample(key, 8, row_blocks=2, beta=0.4))(limited)
     own = limited.buffer.sample(key, 8, beta=0.4, row_blocks=2)
     for x, y in zip(jax.tree.leaves(sample), jax.tree.leaves(own), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -357,7 +357,7 @@ def _agrees(buffer, reference, key):
             _sample(buffer, key)
 
 
-@eqx.filter_jit
+@eb.filter_jit
 def _sample(buffer, key):
     return buffer.sample(key, 16)
 

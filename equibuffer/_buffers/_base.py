@@ -9,6 +9,7 @@ from jaxtyping import Array, Bool, PRNGKeyArray, PyTree, Shaped
 
 from .._checks import check_positive_int, check_row_blocks, check_structure, keystr
 from .._custom_types import BoolScalar, ExperienceBatch, IntScalar, StepCount
+from .._errors import recorded
 from .._protocol import AbstractReplayBuffer
 from .._ring import RingStorage
 from ._rules import AbstractRule, AbstractUniformRule, count_held, Drawn, Window
@@ -127,6 +128,7 @@ class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
         """The window the sampling rule draws: its length, period and name in errors."""
         return Window(self.view.window_length, self.period, self.view.window_name)
 
+    @recorded
     def add(self: _Buffer, batch: ExperienceBatch) -> _Buffer:
         """Return the buffer with `batch` appended to every row.
 
@@ -310,6 +312,7 @@ class AbstractUniformBuffer(AbstractBuffer):
     # (an AbstractVar may be narrowed by a subclass; pyright reads it as a mutable field)
     rule: eqx.AbstractVar[AbstractUniformRule]  # pyright: ignore[reportIncompatibleVariableOverride]
 
+    @recorded
     def sample(self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1) -> Sample:
         """Draw `batch_size` windows uniformly, with replacement, over all valid windows.
 

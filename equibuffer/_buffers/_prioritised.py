@@ -8,6 +8,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._checks import check_positive_int, refuse_flashbax_only
 from .._custom_types import ExampleTree, Steps
+from .._errors import recorded
 from .._protocol import AbstractPrioritisedSource
 from .._ring import RingStorage
 from .._sumtree import SumTree
@@ -81,6 +82,7 @@ class AbstractPrioritisedBuffer(AbstractBuffer, AbstractPrioritisedSource):
         """The priority exponent."""
         return self.rule.alpha
 
+    @recorded
     def sample(
         self,
         key: PRNGKeyArray,
@@ -158,6 +160,7 @@ class AbstractPrioritisedBuffer(AbstractBuffer, AbstractPrioritisedSource):
             return PrioritisedSample(**fields)
         return PrioritisedEpisodeSample(**fields, mask=mask)
 
+    @recorded
     def set_priorities(
         self: _Prioritised,
         sample: Sample | Int[ArrayLike, " batch"],

@@ -8,7 +8,7 @@ from jaxtyping import Array, Int
 
 from .._checks import check_positive_int, refuse_flashbax_only
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar
-from .._errors import error_if
+from .._errors import error_if, recorded
 from .._ring import RingStorage
 from .._windows import gather_slots
 from ._base import AbstractRingHolder, Sample, update_storage, UpdateFn
@@ -171,6 +171,7 @@ class Queue(AbstractRingHolder):
         """
         return self.unread * self.storage.rows
 
+    @recorded
     def add(self, batch: ExperienceBatch) -> "Queue":
         """Return the queue with `batch` appended to every row.
 
@@ -223,6 +224,7 @@ class Queue(AbstractRingHolder):
         storage = self.storage.write(batch)
         return eqx.tree_at(lambda q: (q.storage, q.unread), self, (storage, unread))
 
+    @recorded
     def sample(self) -> tuple["Queue", Sample]:
         """Take the oldest `sequence_length` unread steps of every row.
 
@@ -265,15 +267,21 @@ class Queue(AbstractRingHolder):
         steps = jnp.broadcast_to(step, (storage.rows,))
 
         # The same `s` slots of every row: `(rows, s, *leaf)`, and on a mesh each device reads
-        # its own rows (the result stays split like the storage). Slots that do not cross the
-        # end of the ring are one slice of each row; those that do, a gather row by row.
-        def sliced() -> ExperienceBatch:
-            return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, s, 1), storage.data)
+        # its own rows (the result stays split like the storage). On the CPU, slots that do
+        # not cross the end of the ring are one slice of each row (1.3-1.4x faster than the
+        # gather), those that do a gather row by row; elsewhere the gather alone, since a
+        # branch chosen by data makes a GPU wait for the host. Chosen when lowered.
+        def sliced(data: ExperienceBatch) -> ExperienceBatch:
+            return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, s, 1), data)
 
-        def gathered() -> ExperienceBatch:
-            return gather_slots(storage, (slot + jnp.arange(s, dtype=jnp.int32)) % length)
+        def gathered(data: ExperienceBatch) -> ExperienceBatch:
+            slots = (slot + jnp.arange(s, dtype=jnp.int32)) % length
+            return gather_slots(eqx.tree_at(lambda r: r.data, storage, data), slots)
 
-        experience = jax.lax.cond(slot <= length - s, sliced, gathered)
+        def on_cpu(data: ExperienceBatch) -> ExperienceBatch:
+            return jax.lax.cond(slot <= length - s, sliced, gathered, data)
+
+        experience = jax.lax.platform_dependent(storage.data, cpu=on_cpu, default=gathered)
         queue = eqx.tree_at(lambda q: q.unread, self, unread - s)
         return queue, Sample(experience=experience, indices=indices, steps=steps)
 

@@ -30,7 +30,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree, 
 
 from .._checks import keystr
 from .._custom_types import BoolScalar, Indices, IntScalar, Steps
-from .._errors import branched_error_if, error_if
+from .._errors import branched_error_if, error_if, record
 from .._ring import Appended, RingStorage
 from .._sumtree import SumTree
 from .._windows import (
@@ -294,6 +294,7 @@ def update_target(
                 f"{where}: `steps` is taken from the sample; pass either a Sample, or "
                 "indices with `steps=`."
             )
+        record(sample.error)  # a failure recorded while drawing it goes on to the buffer
         return sample.indices, sample.steps
     if steps is None:
         raise TypeError(

@@ -4,7 +4,8 @@ each draw (its window's place and start step; probabilities and weights; the epi
 from typing import Any
 
 import equinox as eqx
-from jaxtyping import Array, Bool, Float, PyTree, Shaped
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, PyTree, Shaped, UInt32
 
 from .._custom_types import Indices, Steps
 
@@ -40,6 +41,9 @@ class Sample(eqx.Module):
         step of each sampled window: what `set_priorities` takes in the prioritised buffers.
     - `steps`: `(batch,)` uint32, the absolute step (mod 2**32) at which each window starts,
         which tells whether its slot has been overwritten since.
+    - `error`: 0-d uint32, the failure of a check recorded while drawing it inside jit (0
+        when none): [`equibuffer.check`][] raises it on the host, and `set_priorities`
+        passes it on to the buffer (see [Troubleshooting](../troubleshooting.md)).
 
     !!! example
 
@@ -59,6 +63,13 @@ class Sample(eqx.Module):
     experience: Any
     indices: Indices
     steps: Steps
+    error: UInt32[Array, ""] = eqx.field(
+        default_factory=lambda: jnp.zeros((), jnp.uint32), kw_only=True
+    )
+
+    def with_error(self, word: UInt32[Array, ""]) -> "Sample":
+        """The sample with failure `word` recorded, unless one is recorded already."""
+        return eqx.tree_at(lambda s: s.error, self, jnp.where(self.error != 0, self.error, word))
 
 
 class PrioritisedSample(Sample):

@@ -8,7 +8,6 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, overload
 
-import equinox as eqx
 import hypothesis.extra.numpy as hnp
 import hypothesis.strategies as st
 import jax
@@ -29,6 +28,7 @@ from .._buffers._prioritised import (
 from .._buffers._queue import Queue
 from .._buffers._trajectory import TrajectoryBuffer
 from .._buffers._transition import TransitionBuffer
+from .._errors import filter_jit
 from ._reference import BufferReference, QueueReference
 
 
@@ -649,7 +649,7 @@ def _batches_of(buffer: Any, steps: Any, elements: Any) -> SearchStrategy:
     return _batches(buffer, default, elements or _elements)
 
 
-@eqx.filter_jit
+@filter_jit  # (checked: a refused add raises here, as an eager one would)
 def _add(buffer: Any, batch: Any) -> Any:
     return buffer.add(batch)
 
@@ -724,7 +724,7 @@ def filled_buffers(
         `()`: every kind), or one buffer or config.
     - `adds`: the number of adds (default 0 to 4), each of a batch from
         [`equibuffer.testing.batches`][] (`steps` and `elements` as there; a queue stops
-        when full). The adds run under `eqx.filter_jit`.
+        when full). The adds run under `eb.filter_jit` (a refused add raises).
     - `reference`: when true, draw `(buffer, reference)`: the
         [`equibuffer.testing.BufferReference`][] (or
         [`equibuffer.testing.QueueReference`][]) that saw the same adds.

@@ -715,8 +715,8 @@ class AbstractClusteredBuffer(AbstractReplayBuffer):
         plus one scatter of the `N` items (and, prioritised, a write of their leaves in each
         cluster's tree).
 
-        Raises inside jit (through `eqx.error_if`) when `cluster_fn` gives an id outside
-        `[0, num_clusters)`.
+        Fails (inside jit: recorded, raised by [`equibuffer.check`][]) when `cluster_fn`
+        gives an id outside `[0, num_clusters)`.
 
         !!! example
 
@@ -793,7 +793,8 @@ class ClusteredBuffer(AbstractClusteredBuffer):
         - `num_clusters`: the number of clusters `K`.
         - `cluster_capacity`: the number of items each cluster holds.
         - `cluster_fn`: a function of one item returning its cluster id, a 0-d integer in
-            `[0, num_clusters)`; an id out of range raises inside jit (`eqx.error_if`).
+            `[0, num_clusters)`; an id out of range fails (inside jit: recorded, raised by
+            [`equibuffer.check`][]).
         - `weights`: the probability of drawing each cluster (non-negative, summing to 1),
             renormalised over the clusters holding items; default uniform over them.
         """
@@ -827,8 +828,8 @@ class ClusteredBuffer(AbstractClusteredBuffer):
             `weights` renormalised over them, then uniformly among that cluster's items in
             it (see [Scaling](../scaling.md)). Default 1: all slots.
 
-        Raises inside jit (through `eqx.error_if`) when no cluster of positive weight holds
-        an item (with `row_blocks`, in one of the blocks).
+        Fails (inside jit: recorded, raised by [`equibuffer.check`][]) when no cluster of
+        positive weight holds an item (with `row_blocks`, in one of the blocks).
 
         !!! example
 
@@ -993,9 +994,9 @@ class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSou
         A [`equibuffer.PrioritisedClusteredSample`][]: `experience`, `indices`, `steps`,
         `cluster`, `probabilities` and `weights`.
 
-        Raises inside jit (through `eqx.error_if`) when no cluster of positive weight holds an
-        item, or when every item they hold has priority 0 (with `row_blocks`, in one of the
-        blocks).
+        Fails (inside jit: recorded, raised by [`equibuffer.check`][]) when no cluster of
+        positive weight holds an item, or when every item they hold has priority 0 (with
+        `row_blocks`, in one of the blocks).
 
         !!! example
 
@@ -1044,7 +1045,8 @@ class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSou
         - `sample`: the sample the priorities are for, or its `indices` together with
             `steps=sample.steps`.
         - `priorities`: `(batch,)` non-negative finite priorities, before the exponent `alpha`.
-            Negative, NaN or infinite values raise inside jit through `eqx.error_if`.
+            Negative, NaN or infinite values fail (inside jit: recorded, raised by
+            [`equibuffer.check`][]).
         - `steps`: only when `sample` is an index array: `sample.steps`.
 
         **Returns:**

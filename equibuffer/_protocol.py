@@ -68,11 +68,11 @@ class AbstractSource(eqx.Module):
     def sample(self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1) -> Any:
         """Draw `batch_size` elements (with replacement). A buffer returns a
         [`equibuffer.Sample`][] (or a subclass: `experience`, `indices`, `steps`, ...); a
-        `Mixer` returns a [`equibuffer.MixedSample`][]. Raises inside jit (through
-        `eqx.error_if`) when it cannot be sampled. With `row_blocks=n` (static) the sample is
-        cut into `n` equal blocks, block `d` drawn only from what `shard_rows` puts on device
-        `d` of an `n`-device mesh axis, by the source's own rule (see
-        [Scaling](../scaling.md))."""
+        `Mixer` returns a [`equibuffer.MixedSample`][]. Fails when it cannot be sampled (inside
+        jit: recorded in the sample, raised by [`equibuffer.check`][]). With `row_blocks=n`
+        (static) the sample is cut into `n` equal blocks, block `d` drawn only from what
+        `shard_rows` puts on device `d` of an `n`-device mesh axis, by the source's own rule
+        (see [Scaling](../scaling.md))."""
 
 
 class AbstractPrioritisedSource(AbstractSource):

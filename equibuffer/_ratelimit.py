@@ -99,7 +99,7 @@ class RateLimited(eqx.Module):
     float32 rounding (a relative error of about 1e-7 on the ratio; none at all for dyadic
     values such as 0.25 or 1.5). `add` and `sample` never refuse: the limiter advises, the loop
     decides. A loop that ignores the advice moves the credit without bound; `add` and `sample`
-    raise (through `eqx.error_if`, inside jit) before its whole part would leave
+    raise (inside jit: recorded, raised by [`equibuffer.check`][]) before its whole part would leave
     `[-2**30, 2**30]`, instead of overflowing. A loop that follows the limiter never gets near
     that bound: `tolerance`, `spi * add_batch_size * T` and `batch_size` are each limited to
     2**28.
@@ -300,9 +300,9 @@ class RateLimited(eqx.Module):
 
         **Returns:**
 
-        The updated limiter (an add is never refused: check `can_add(T)` first). Raises
-        inside jit (through `eqx.error_if`) if the credit would pass 2**30, which only a loop
-        that keeps adding without sampling reaches.
+        The updated limiter (an add is never refused: check `can_add(T)` first). Fails
+        (inside jit: recorded, raised by [`equibuffer.check`][]) if the credit would pass
+        2**30, which only a loop that keeps adding without sampling reaches.
 
         !!! example
 
@@ -365,9 +365,9 @@ class RateLimited(eqx.Module):
 
         `(limited, sample)`: the limiter with the new credit, and what the buffer's `sample`
         returns. A sample is never refused by the limiter (check `can_sample(batch_size)`
-        first); the buffer raises as usual when it cannot be sampled at all. Raises inside
-        jit (through `eqx.error_if`) if the credit would fall below -2**30, which only a loop
-        that keeps sampling without adding reaches.
+        first); the buffer fails as usual when it cannot be sampled at all. Fails (inside jit:
+        recorded, raised by [`equibuffer.check`][]) if the credit would fall below -2**30,
+        which only a loop that keeps sampling without adding reaches.
 
         !!! example
 

@@ -125,11 +125,13 @@ def run_on_host_devices(script: str, devices: int, timeout: float, **env: str):
     )
 
 
-def json_lines_on_host_devices(script: str, devices: int, timeout: float, key: str) -> dict:
+def json_lines_on_host_devices(
+    script: str, devices: int, timeout: float, key: str, **env: str
+) -> dict:
     """`run_on_host_devices`, for a script that prints one JSON object per case as it finishes:
     `{"cases": {obj[key]: obj}, "stderr": ...}`. A hang keeps the cases printed before it."""
     try:
-        out = run_on_host_devices(script, devices, timeout)
+        out = run_on_host_devices(script, devices, timeout, **env)
         stdout, stderr = out.stdout, out.stderr
     except subprocess.TimeoutExpired as e:
         stdout, stderr = (e.stdout or b"").decode(), "timed out"

@@ -158,13 +158,20 @@ CASES = {
 
 
 def message(error):
+    """The check's own message: Equinox's report around it (raised inside the call), or the
+    note after it (a recorded failure, raised when the call returns) left out."""
     text = str(error)
     head = "equinox.EquinoxRuntimeError: "
-    return text[text.index(head) + len(head) : text.index("\n\n-------------------")]
+    if head in text:
+        return text[text.index(head) + len(head) : text.index("\n\n-------------------")]
+    return text[: text.index("\n\n(Recorded inside a jitted call")]
 
 
 def run(state, step):
-    @eqx.filter_jit(donate="all")
+    """The step's error message (recorded and raised when the call returns, or raised inside
+    it with `EQX_ON_ERROR=raise`), or None, and the seconds it took."""
+
+    @eb.filter_jit(donate="all")
     def jitted(state):
         return step(state)
 

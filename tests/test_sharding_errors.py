@@ -76,9 +76,13 @@ EXPECTED = {
 }
 
 
-@pytest.fixture(scope="module")
-def results() -> dict:
-    return json_lines_on_host_devices(SCRIPT, 8, timeout=240, key="case")
+@pytest.fixture(scope="module", params=["recorded", "raise"])
+def results(request) -> dict:
+    """The cases' results by default (failures recorded, raised by `eb.filter_jit` when the
+    call returns) and in the debugging mode (`EQX_ON_ERROR=raise`: raised inside the call,
+    from every device)."""
+    env = {} if request.param == "recorded" else {"EQX_ON_ERROR": "raise"}
+    return json_lines_on_host_devices(SCRIPT, 8, timeout=240, key="case", **env)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -133,7 +137,7 @@ OFF_SCRIPT = textwrap.dedent(
     buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(2)}, add_batch_size=8,
                                  max_length_time_axis=8, sequence_length=4)
     buffer = eb.shard_rows(buffer, mesh, "envs")
-    sample = eqx.filter_jit(lambda b: b.sample(jax.random.key(0), 8))
+    sample = eb.filter_jit(lambda b: b.sample(jax.random.key(0), 8))
     hlo = jax.jit(lambda b: b.sample(jax.random.key(0), 8)).lower(buffer).compile().as_text()
     print("callback" in hlo, sample(buffer).experience["obs"].shape)
     """
@@ -154,8 +158,10 @@ CHECKS = (eqx.error_if, error_if)  # Equinox's, and the one the buffers use on s
 @pytest.fixture(autouse=True)
 def _as_on_several_devices(monkeypatch):
     """This process has one device, where the buffers use Equinox's check as it is; the
-    tests below compare the every-device check with it, so they make it be used here."""
+    tests below compare the every-device check of the debugging mode (`EQX_ON_ERROR=raise`)
+    with it, so they make it be used here."""
     monkeypatch.setattr(equibuffer._errors, "several_devices", lambda: True)
+    monkeypatch.setattr(equibuffer._errors, "MODE", "raise")
 
 
 def _checked(check):

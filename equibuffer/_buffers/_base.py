@@ -327,7 +327,7 @@ class AbstractUniformBuffer(AbstractBuffer):
             its own batch from its own rows (the `pmap` pattern; see
             [Scaling](../scaling.md)). The default, 1, draws over all rows.
 
-        Raises inside jit (through `eqx.error_if`) when `can_sample()` is false.
+        Fails inside jit (recorded, raised by [`equibuffer.check`][]) when `can_sample()` is false.
 
         !!! example
 

@@ -64,8 +64,9 @@ class EpisodeTrajectoryBuffer(AbstractUniformBuffer):
 
     `can_sample()` depends only on the counters (as for every buffer, so
     `lax.cond(buffer.can_sample(), learn, skip)` stays a cond under `vmap`). A state with
-    ready counters but no window that fits inside an episode makes `sample` raise (inside
-    jit, through `eqx.error_if`). `num_valid_windows()` counts the windows that can be drawn.
+    ready counters but no window that fits inside an episode makes `sample` fail (inside
+    jit: recorded, raised by [`equibuffer.check`][]). `num_valid_windows()` counts the
+    windows that can be drawn.
 
     The motivating configuration: `(84, 84, 3)` observations from 100 environments, 100,000
     sequences of 40 steps, any 40-step range inside an episode:

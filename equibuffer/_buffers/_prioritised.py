@@ -115,8 +115,8 @@ class AbstractPrioritisedBuffer(AbstractBuffer, AbstractPrioritisedSource):
         A [`equibuffer.PrioritisedSample`][]: `experience`, `indices`, `steps`,
         `probabilities` and `weights`.
 
-        Raises inside jit (through `eqx.error_if`) when `can_sample()` is false, or when it is
-        true but every valid window has priority 0.
+        Fails (inside jit: recorded, raised by [`equibuffer.check`][]) when `can_sample()`
+        is false, or when it is true but every valid window has priority 0.
 
         !!! example
 
@@ -176,7 +176,7 @@ class AbstractPrioritisedBuffer(AbstractBuffer, AbstractPrioritisedSource):
             error-prone), or its `indices` together with `steps=sample.steps`.
         - `priorities`: `(batch,)` non-negative finite priorities, before the exponent `alpha`
             (e.g. `|td_error| + 1e-6`). Negative, NaN or infinite values raise inside jit
-            through `eqx.error_if`.
+            recorded inside jit and raised by [`equibuffer.check`][].
         - `steps`: only when `sample` is an index array: the absolute start steps
             `sample.steps`.
 

@@ -21,9 +21,9 @@ class Queue(AbstractRingHolder):
     `add` appends one or more steps to every row; `sample` returns the oldest
     `sequence_length` unread steps of every row, in order, and a queue that no longer holds
     them. Nothing is ever overwritten or invented: adding to a queue without room for the new
-    steps, or sampling one with fewer than `sequence_length` unread steps per row, raises
-    inside jit (through `eqx.error_if`). `can_add(steps)` and `can_sample()` say in advance,
-    from the counters only.
+    steps, or sampling one with fewer than `sequence_length` unread steps per row, fails
+    (inside jit: recorded, raised by [`equibuffer.check`][]). `can_add(steps)` and
+    `can_sample()` say in advance, from the counters only.
 
     It is a [`equibuffer.RingStorage`][] plus one 0-d counter, `unread`: the number of steps
     per row added and not yet sampled (at most `max_length_time_axis`). With
@@ -182,9 +182,10 @@ class Queue(AbstractRingHolder):
 
         **Returns:**
 
-        The updated queue. Raises inside jit (through `eqx.error_if`) when the queue has no
-        room for `T` more steps per row (`can_add(T)` is false): unread steps are never
-        overwritten. Under `eqx.filter_jit(donate="all")` the write is in place.
+        The updated queue. Fails (inside jit: recorded, raised by [`equibuffer.check`][])
+        when the queue has no room for `T` more steps per row (`can_add(T)` is false):
+        unread steps are never overwritten. Under `eqx.filter_jit(donate="all")` the write
+        is in place.
 
         !!! example
 
@@ -234,8 +235,8 @@ class Queue(AbstractRingHolder):
         whose `experience` leaves are `(add_batch_size, sequence_length, *leaf)`, row `i` of
         the batch being row `i` of the queue, steps in time order. `indices` are the flat
         indices `row * max_length + slot` of each row's first step, `steps` their absolute
-        step (mod 2**32). Raises inside jit (through `eqx.error_if`) when `can_sample()` is
-        false: nothing is invented.
+        step (mod 2**32). Fails (inside jit: recorded, raised by [`equibuffer.check`][])
+        when `can_sample()` is false: nothing is invented.
 
         !!! example
 

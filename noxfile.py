@@ -126,8 +126,9 @@ def bench(session: nox.Session) -> None:
     """Benchmarks side by side with the peers (ratios, never pass/fail). `-- --quick` for small.
 
     `nox -s bench -- --quick` runs every script at small sizes; `nox -s bench -- core` (or
-    `calls`, `prioritised`, `archive`, `issue6`, `ring_write`, `devices`, `writers`) runs one,
-    with any further arguments passed to it.
+    `calls`, `prioritised`, `archive`, `issue6`, `ring_write`, `devices`, `writers`,
+    `programs`) runs one, with any further arguments passed to it. (`bench_gpu` is not among
+    them: it is for a lent GPU, through `benchmarks/gpu.sh`.)
     """
     install(session, "bench", package=".[s3]")
     names = [
@@ -139,6 +140,7 @@ def bench(session: nox.Session) -> None:
         "ring_write",
         "devices",
         "writers",
+        "programs",
     ]
     args = list(session.posargs)
     chosen = [a for a in args if a in names] or names

@@ -4,6 +4,7 @@ import datetime
 import importlib.metadata
 import os
 import platform
+import subprocess
 from typing import Any
 
 import jax
@@ -51,3 +52,17 @@ def describe() -> dict[str, Any]:
         "versions": {p: _version(p) for p in ("jax", "jaxlib", "equinox", "flashbax", "zarr")},
         "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+def commit() -> str:
+    """The checkout's commit (`git rev-parse --short HEAD`), with `+changes` when the package
+    (`equibuffer/`) differs from it; `unknown` without git (a copied tree, as on a lent GPU
+    machine)."""
+    try:
+        run = lambda *a: subprocess.run(  # noqa: E731
+            ["git", *a], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        head = run("rev-parse", "--short", "HEAD")
+        return head + ("+changes" if run("status", "--porcelain", "--", "equibuffer") else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

@@ -120,13 +120,16 @@ def _cases() -> dict[str, dict[str, tuple[Callable[[], Any], Callable[[Any], Any
 
 
 def time_case(
-    sides: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]], rounds: int, calls: int
+    sides: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]],
+    rounds: int,
+    calls: int,
+    warmup: int = 50,
 ) -> dict[str, float]:
     """The median over `rounds` of each side's time per call, in blocks of `calls` calls, the
-    order of the sides rotated each round."""
+    order of the sides rotated each round, after `warmup` calls of each (the first compiles)."""
     states = {name: make() for name, (make, _) in sides.items()}
     for name, (_, call) in sides.items():  # compile and warm up
-        for _ in range(50):
+        for _ in range(warmup):
             states[name] = call(states[name])
         jax.block_until_ready(states[name])
     names = list(sides)

@@ -3,7 +3,10 @@
 Two uses:
 
 - an mkdocs hook (`hooks:` in mkdocs.yml): replaces the marker `<!-- benchmark-tables -->` in
-  `benchmarks.md` with the tables, so the site shows whatever results are present;
+  `benchmarks.md` with the tables, so the site shows whatever results are present, and the
+  marker `<!-- benchmark-gpu -->` with the GPU's (`gpu.json`, which only a run of
+  `benchmarks/gpu.sh` on a lent GPU writes), headed by the card's name, or a line saying that
+  none are recorded yet;
 - a script: `python docs/gen_bench.py [results directory]` prints the same Markdown.
 
 A results file is a JSON object, as `python -m benchmarks.bench_core --json PATH` writes it:
@@ -25,6 +28,13 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 MARKER = "<!-- benchmark-tables -->"
+GPU_MARKER = "<!-- benchmark-gpu -->"
+GPU_FILE = "gpu.json"
+NO_GPU = """\
+No GPU figures recorded yet. A session lent a GPU runs `bash benchmarks/gpu.sh` in one device
+call (see "On a GPU" in `benchmarks/README.md` in the repository) and commits the `gpu.json`
+it writes to `benchmarks/results/`.
+"""
 NONE_YET = """\
 No results are checked in yet. To produce them, run a benchmark with `--json` into
 `benchmarks/results/` and rebuild the site (`nox -s docs`):
@@ -106,36 +116,54 @@ def _ratio_columns(rows: list[dict[str, Any]]) -> list[str]:
     return [c for c in columns if any(_float(r.get(c)) is not None for r in rows)]
 
 
+def _file(path: pathlib.Path) -> list[str]:
+    """The Markdown of one results file: its name, scalars, machine, tables and charts."""
+    data = json.loads(path.read_text())
+    parts = [f"### `{path.name}`\n"]
+    scalars = {k: v for k, v in data.items() if not isinstance(v, dict | list)}
+    if scalars:
+        parts.append("\n".join(f"- {k}: `{_cell(v)}`" for k, v in scalars.items()) + "\n")
+    machine = data.get("machine")
+    if isinstance(machine, dict):
+        lines = [f"- {k}: `{_cell(v)}`" for k, v in machine.items()]
+        parts.append("Machine:\n\n" + "\n".join(lines) + "\n")
+    for key, value in data.items():
+        if isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
+            parts.append(f"#### {key}\n\n{table(value)}\n")
+            for column in _ratio_columns(value):
+                parts.append(f"<figure>\n{plot(value, column)}\n</figure>\n")
+    return parts
+
+
 def render(results: pathlib.Path = RESULTS) -> str:
-    """The Markdown for every `*.json` file in `results`, or how to produce them."""
+    """The Markdown for every `*.json` file in `results` but the GPU's, or how to produce
+    them."""
     files = sorted(results.glob("*.json")) if results.is_dir() else []
+    files = [f for f in files if f.name != GPU_FILE]
     if not files:
         return NONE_YET
-    parts = []
-    for path in files:
-        data = json.loads(path.read_text())
-        parts.append(f"### `{path.name}`\n")
-        scalars = {k: v for k, v in data.items() if not isinstance(v, dict | list)}
-        if scalars:
-            parts.append("\n".join(f"- {k}: `{_cell(v)}`" for k, v in scalars.items()) + "\n")
-        machine = data.get("machine")
-        if isinstance(machine, dict):
-            lines = [f"- {k}: `{_cell(v)}`" for k, v in machine.items()]
-            parts.append("Machine:\n\n" + "\n".join(lines) + "\n")
-        for key, value in data.items():
-            if isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
-                parts.append(f"#### {key}\n\n{table(value)}\n")
-                for column in _ratio_columns(value):
-                    parts.append(f"<figure>\n{plot(value, column)}\n</figure>\n")
-    return "\n".join(parts)
+    return "\n".join(part for path in files for part in _file(path))
+
+
+def render_gpu(results: pathlib.Path = RESULTS) -> str:
+    """The Markdown of `results/gpu.json`, headed by the card it ran on, or `NO_GPU`."""
+    path = results / GPU_FILE
+    if not path.is_file():
+        return NO_GPU
+    data = json.loads(path.read_text())
+    card = data.get("device") or data.get("device_kind") or "an unnamed GPU"
+    head = f"Measured on **{card}** (jax {data.get('jax', '?')}, {data.get('date', '?')}).\n"
+    return "\n".join([head, *_file(path)])
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    """mkdocs hook: fill the marker of the benchmarks page."""
-    if MARKER not in markdown:
-        return markdown
-    return markdown.replace(MARKER, render())
+    """mkdocs hook: fill the markers of the benchmarks page."""
+    for marker, fill in ((MARKER, render), (GPU_MARKER, render_gpu)):
+        if marker in markdown:
+            markdown = markdown.replace(marker, fill())
+    return markdown
 
 
 if __name__ == "__main__":
-    print(render(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS))
+    folder = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS
+    print(render_gpu(folder) + "\n" + render(folder))

@@ -244,3 +244,26 @@ def test_benchmark_tables_render(tmp_path):
     assert gen_bench.on_page_markdown(page, None, None, None) == page.replace(
         gen_bench.MARKER, gen_bench.render()
     )
+
+
+def test_gpu_figures_render(tmp_path):
+    """The benchmarks page shows `gpu.json` apart, headed by the card's name, or says that no
+    GPU figures are recorded yet; the other results never include it."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("gen_bench", ROOT / "docs" / "gen_bench.py")
+    assert spec is not None and spec.loader is not None
+    gen_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_bench)
+    assert "No GPU figures recorded yet" in gen_bench.render_gpu(tmp_path)
+    rows = [{"op": "sample", "fbx/ours": "1.10", "fbx/ours off": "1.20"}]
+    figures = {"device": "NVIDIA H200", "jax": "0.11.2", "date": "2026-11-28", "ops": rows}
+    (tmp_path / "gpu.json").write_text(json.dumps(figures))
+    out = gen_bench.render_gpu(tmp_path)
+    assert out.startswith("Measured on **NVIDIA H200** (jax 0.11.2, 2026-11-28).")
+    assert "#### ops" in out and out.count("<figure>\n<svg") == 2
+    assert "gpu.json" not in gen_bench.render(tmp_path)
+    page = "# Benchmarks\n\n" + gen_bench.MARKER + "\n\n" + gen_bench.GPU_MARKER + "\n"
+    filled = gen_bench.on_page_markdown(page, None, None, None)
+    assert gen_bench.MARKER not in filled and gen_bench.GPU_MARKER not in filled

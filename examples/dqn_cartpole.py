@@ -362,6 +362,9 @@ def train(config: Config, seed: int, verbose: bool = True) -> tuple[TrainState, 
     start = time.perf_counter()
     for chunk in range(config.chunks):
         state, stats = train_chunk(state, config)
+        # A check that failed inside the chunk (e.g. a sample before `can_sample()`) was
+        # recorded in the buffer, not raised there (no wait for the host): raise it now.
+        eb.check(state)
         ended = np.asarray(stats.ended)  # (steps_per_chunk, num_envs)
         step_index, _ = np.nonzero(ended)
         first_step = chunk * config.steps_per_chunk

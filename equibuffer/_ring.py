@@ -124,7 +124,10 @@ class RingStorage(eqx.Module):
     ) -> "RingStorage":
         """The storage with its write head, fill or count of steps added replaced (host
         side; `None` keeps the current value), the data unchanged: for restoring a ring whose
-        data was put back in place, or for testing long runs without running them.
+        data was put back in place, or for testing long runs without running them. Put it
+        back into a buffer with `buffer.with_storage(storage)`, which rebuilds the state the
+        buffer's rule keeps beside the ring (episode flags, priorities); `eqx.tree_at` alone
+        would leave that state out of step with the ring.
 
         !!! example
 
@@ -404,6 +407,29 @@ def check_batch(
         check_dtype(where, path, dtype, stored.dtype)
         steps, first_path = t, path
     return steps
+
+
+def check_like(where: str, ring: RingStorage, other: Any) -> RingStorage:
+    """`other` checked to be a `RingStorage` with the rows, length and steps (structure,
+    shapes and dtypes of the leaves) of `ring`; errors start with `where` and name the first
+    leaf that differs."""
+    if not isinstance(other, RingStorage):
+        raise TypeError(f"{where}: expected an eb.RingStorage, got {type(other).__name__}.")
+    if (other.rows, other.length) != (ring.rows, ring.length):
+        raise ValueError(
+            f"{where}: the storage has rows={other.rows} and length={other.length}, the buffer "
+            f"add_batch_size={ring.rows} and max_length_time_axis={ring.length}; give a "
+            "storage of the buffer's own sizes (e.g. one made from `buffer.storage`)."
+        )
+    got = check_structure(where, jax.tree.structure(ring.data), other.data)
+    for (path, x), stored in zip(got, jax.tree.leaves(ring.data), strict=True):
+        if (x.shape, x.dtype) != (stored.shape, stored.dtype):
+            raise ValueError(
+                f"{where}: leaf {keystr(path)} of the storage has shape {tuple(x.shape)} and "
+                f"dtype {jnp.dtype(x.dtype).name}, the buffer's {tuple(stored.shape)} and "
+                f"{jnp.dtype(stored.dtype).name}."
+            )
+    return other
 
 
 def host_counters(storage: RingStorage) -> tuple[int, int, int]:

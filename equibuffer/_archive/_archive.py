@@ -710,12 +710,36 @@ class Archive:
         return self._reader.iter(steps, start, stop, rows)
 
     def load(
-        self, buffer: B, start: int | None = None, stop: int | None = None, *, rows: Rows = None
+        self,
+        buffer: B,
+        start: int | None = None,
+        stop: int | None = None,
+        *,
+        rows: Rows = None,
+        priority: float | None = None,
     ) -> B:
         """Return `buffer` holding archive steps `[start, stop)` (default: the newest that fit
         in its ring, within the last contiguous segment), with its counters set as if the
         source had added steps up to `stop`: ready for offline training with its own
-        `sample`. The steps must fit in `max_length_time_axis` and not cross a gap of lost steps.
+        `sample`. The steps must fit in `max_length_time_axis` and not cross a gap of lost
+        steps.
+
+        The buffer is a working one of its kind: every piece of state kept beside the ring
+        is rebuilt from the steps loaded, by the buffer's `with_storage` (see
+        [`equibuffer.AbstractBuffer.with_storage`][]). Episode flags are recomputed from the
+        stored steps; the priorities, which the archive does not hold, are set by one
+        policy: every window enters at `priority` if given (it also becomes
+        `max_priority`), else at the buffer's `max_priority` (1 for a new buffer), as new
+        windows do; a `Queue`'s loaded steps all count as read.
+
+        **Arguments:**
+
+        - `buffer`: a buffer of the archive's schema (any ring buffer, a `Queue`, or a
+            `RingStorage`); its steps and state are replaced. A `Mixer`, `RateLimited` or
+            clustered buffer is refused with what to load instead.
+        - `start`, `stop`: archive time indices.
+        - `rows`: the rows to load (default all): as many as the buffer has.
+        - `priority`: prioritised buffers only: the priority of every loaded window.
 
         !!! example
 
@@ -734,33 +758,61 @@ class Archive:
             assert small.storage.steps_added() == 6  # as if the source had added 6 steps
             assert sorted(small.storage.data["x"][0].tolist()) == [2.0, 3.0, 4.0, 5.0]
             assert small.sample(jax.random.key(0), batch_size=8).experience["x"].shape == (8, 2)
+            prioritised = eb.PrioritisedTrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
+                                                         max_length_time_axis=4,
+                                                         sequence_length=2, alpha=1.0)
+            reader = eb.Archive(path, prioritised, mode="r")
+            prioritised = reader.load(prioritised, 2, 6, priority=3.0)
+            # windows starting at steps 2, 3 and 4, each at priority 3
+            assert float(prioritised.tree.total()) == 9.0 == 3 * float(prioritised.max_priority)
             ```
         """
-        return self._reader.load(buffer, start, stop, rows)
+        return self._reader.load(buffer, start, stop, rows, priority)
 
-    def restore(self, buffer: B) -> B:
+    def restore(self, buffer: B, *, priority: float | None = None) -> B:
         """Return `buffer` holding the newest steps of the archive (as many as fit, after the
         last gap), with its count of steps added equal to `source_steps`, so that a resumed
         run continues where the archive stopped and `write` never writes a step twice.
 
+        The buffer is a working one of its kind, rebuilt as `load` rebuilds it: episode
+        flags recomputed from the stored steps; every valid window of a prioritised buffer
+        at `priority`, or by default at the buffer's `max_priority` (1 for a new buffer),
+        as new windows enter, since the archive holds steps, not priorities (they change
+        at every learning step); a `Queue`'s restored steps all count as read. Pass
+        `priority=` to restore at the scale of the priorities the run had reached (which
+        then also becomes `max_priority`).
+
+        **Arguments:**
+
+        - `buffer`: a buffer of the archive's schema, typically a new one (any ring
+            buffer, a `Queue`, or a `RingStorage`).
+        - `priority`: prioritised buffers only: the priority of every restored window, a
+            positive finite float.
+
         !!! example
 
             ```python
-            import equibuffer as eb, jax.numpy as jnp, tempfile
+            import equibuffer as eb, jax, jax.numpy as jnp, tempfile
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length_time_axis=16, sequence_length=1)
+            def new_buffer():
+                return eb.PrioritisedTrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
+                                                      max_length_time_axis=16,
+                                                      sequence_length=2)
+            buffer = new_buffer()
             path = tempfile.mkdtemp() + "/run.zarr"
             with eb.Archive(path, buffer) as archive:
                 archive.write(buffer.add({"x": jnp.arange(10.0)[None]}))
-            with eb.Archive(path, buffer) as archive:  # a resumed run, with an empty buffer
-                buffer = archive.restore(buffer)
+            with eb.Archive(path, new_buffer()) as archive:  # a resumed run, a new buffer
+                buffer = archive.restore(new_buffer())
                 assert buffer.storage.steps_added() == archive.source_steps == 10
+                sample = buffer.sample(jax.random.key(0), batch_size=4)  # 9 windows, each
+                assert jnp.allclose(sample.probabilities, 1 / 9)  # at priority 1
+                buffer = buffer.set_priorities(sample, jnp.full(4, 2.0))
                 buffer = buffer.add({"x": jnp.arange(10.0, 12.0)[None]})
                 assert archive.write(buffer) == 2  # only the new steps
             ```
         """
-        return self._reader.restore(buffer)
+        return self._reader.restore(buffer, priority)
 
     # ------------------------------------------------------------------------ sampling
 

@@ -85,6 +85,24 @@ def ring_holding(storage: RingStorage, data: list[np.ndarray], total: int) -> Ri
     return filled.with_counters(head=head, fill=k, steps_added=total)
 
 
+def holding(where: str, buffer: Any, storage: RingStorage, priority: float | None) -> Any:
+    """`buffer` holding `storage`, the state beside its ring rebuilt from it by the buffer's
+    own `with_storage` (a `RingStorage` is returned as it is)."""
+    if isinstance(buffer, RingStorage):
+        if priority is not None:
+            raise TypeError(f"{where}: a RingStorage has no priorities: drop `priority`.")
+        return storage
+    rebuilt = getattr(buffer, "with_storage", None)
+    if rebuilt is None:
+        raise TypeError(
+            f"{where}: a {type(buffer).__name__} holds a RingStorage but has no "
+            "`with_storage(storage)` to rebuild the rest of its state from it: load into its "
+            "storage (`archive.load(x.storage)`) and rebuild the rest yourself, or give the "
+            "class a `with_storage` method."
+        )
+    return rebuilt(storage) if priority is None else rebuilt(storage, priority=priority)
+
+
 class Reader:
     """An archive's committed snapshot and the reads of it.
 
@@ -355,8 +373,15 @@ class Reader:
 
     # --------------------------------------------------------------------- into a buffer
 
-    def load(self, buffer: Any, start: int | None, stop: int | None, rows: Any) -> Any:
-        where = "Archive.load()"
+    def load(
+        self,
+        buffer: Any,
+        start: int | None,
+        stop: int | None,
+        rows: Any,
+        priority: float | None,
+        where: str = "Archive.load()",
+    ) -> Any:
         storage = storage_of(buffer, where)
         c = self.commit
         seg_start = c.segments()[-1][0] if c.length else 0
@@ -385,16 +410,14 @@ class Reader:
             a.view(np.dtype(leaf.dtype)) for leaf, a in zip(self.layout.leaves, raw, strict=True)
         ]
         total = c.source_step(stop - 1) + 1 if stop > 0 else c.first_step
-        new_storage = ring_holding(storage, data, total)
-        if storage is buffer:
-            return new_storage
-        return eqx.tree_at(lambda b: b.storage, buffer, new_storage)
+        return holding(where, buffer, ring_holding(storage, data, total), priority)
 
-    def restore(self, buffer: Any) -> Any:
-        storage = storage_of(buffer, "Archive.restore()")
+    def restore(self, buffer: Any, priority: float | None) -> Any:
+        where = "Archive.restore()"
+        storage = storage_of(buffer, where)
         c = self.commit
         start = max(c.length - storage.length, c.segments()[-1][0] if c.length else 0)
-        return self.load(buffer, start, c.length, None)
+        return self.load(buffer, start, c.length, None, priority, where)
 
     def nbytes(self) -> tuple[int, int]:
         leaves = self.layout.leaves

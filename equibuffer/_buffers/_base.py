@@ -11,13 +11,22 @@ from .._checks import check_positive_int, check_row_blocks, check_structure, key
 from .._custom_types import BoolScalar, ExperienceBatch, IntScalar, StepCount
 from .._errors import recorded
 from .._protocol import AbstractReplayBuffer
-from .._ring import RingStorage
-from ._rules import AbstractRule, AbstractUniformRule, count_held, Drawn, Window
+from .._ring import check_like, RingStorage
+from ._rules import (
+    AbstractPrioritisedRule,
+    AbstractRule,
+    AbstractUniformRule,
+    check_priority,
+    count_held,
+    Drawn,
+    Window,
+)
 from ._samples import EpisodeSample, Sample, Transition as Transition
 from ._views import AbstractView, gather_by_blocks
 
 
 _Buffer = TypeVar("_Buffer", bound="AbstractBuffer")
+_Holder = TypeVar("_Holder", bound="AbstractRingHolder")
 
 
 class AbstractRingHolder(eqx.Module):
@@ -81,6 +90,15 @@ class AbstractRingHolder(eqx.Module):
             ```
         """
         return self.storage.steps_in(batch, where)
+
+    @abc.abstractmethod
+    def with_storage(
+        self: _Holder, storage: RingStorage, *, priority: float | None = None
+    ) -> _Holder:
+        """Return this buffer holding `storage` (its steps and its counters), with every
+        piece of state kept beside the ring rebuilt from it, by the kind's policy where the
+        ring does not hold it (see [`equibuffer.AbstractBuffer.with_storage`][] and
+        [`equibuffer.Queue.with_storage`][])."""
 
 
 class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
@@ -289,6 +307,64 @@ class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
         """
         storage = update_storage(self.storage, fn, type(self).__name__)
         return self._with(storage, self.rule.updated(storage, self.window))
+
+    def with_storage(
+        self: _Buffer, storage: RingStorage, *, priority: float | None = None
+    ) -> _Buffer:
+        """Return this buffer holding `storage` (its steps and its counters), with every
+        piece of state kept beside the ring rebuilt from it: how `Archive.restore` and
+        `Archive.load` fill a buffer, and how to put back a ring whose steps or counters
+        were replaced by hand (`RingStorage.with_counters`), which `eqx.tree_at` alone
+        would leave out of step with the buffer's rule.
+
+        What the held steps and the counters determine is recomputed: which windows are
+        valid, and the episode flags (from the stored episode-end leaf, or the
+        `episode_end` function of each step). What they do not hold, the priorities of a
+        prioritised buffer, is set by one policy: every valid window enters at
+        `priority` when it is given, which also becomes `max_priority`, else at the
+        buffer's own `max_priority` (1 for a new buffer): as a window an `add` makes valid
+        enters, since its priority is not known yet. The restored windows are drawn
+        uniformly among themselves (importance weights of 1) until `set_priorities` gives
+        each its own.
+
+        **Arguments:**
+
+        - `storage`: a [`equibuffer.RingStorage`][] of the buffer's `add_batch_size`,
+            `max_length_time_axis` and leaves (shapes and dtypes); one that differs is
+            refused with an error naming what differs.
+        - `priority`: prioritised buffers only, a positive finite float: the priority of
+            every valid window. Default: the buffer's `max_priority`.
+
+        **Returns:**
+
+        The buffer, of the same kind, shapes and dtypes (a jitted step does not retrace).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            example = {"x": jnp.float32(0)}
+            ring = eb.RingStorage(example, rows=1, length=8).write({"x": jnp.arange(4.0)[None]})
+            buffer = eb.PrioritisedItemBuffer(example, add_batch_size=1, capacity=8, alpha=1.0)
+            buffer = buffer.with_storage(ring, priority=2.0)  # 4 items, each at priority 2
+            assert float(buffer.max_priority) == 2.0 and float(buffer.tree.total()) == 8.0
+            sample = buffer.sample(jax.random.key(0), batch_size=4)
+            assert jnp.allclose(sample.probabilities, 0.25)
+            ```
+        """
+        where = f"{type(self).__name__}.with_storage()"
+        storage = check_like(where, self.storage, storage)
+        rule = self.rule
+        if priority is not None:
+            if not isinstance(rule, AbstractPrioritisedRule):
+                raise TypeError(
+                    f"{where}: `priority` sets the priority of a prioritised buffer's windows; "
+                    f"a {type(self).__name__} draws its windows uniformly: drop `priority`."
+                )
+            top = jnp.asarray(check_priority(where, priority), jnp.float32)
+            rule = rule.with_priorities(rule.tree, top)
+        return self._with(storage, rule.updated(storage, self.window, restored=True))
 
     def _with(self: _Buffer, storage: RingStorage, rule: AbstractRule) -> _Buffer:
         """The buffer with `storage` and `rule`. A rule without state (`Uniform`) returns

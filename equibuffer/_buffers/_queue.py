@@ -9,7 +9,7 @@ from jaxtyping import Array, Int
 from .._checks import check_positive_int, refuse_flashbax_only
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar
 from .._errors import error_if, recorded
-from .._ring import RingStorage
+from .._ring import check_like, RingStorage
 from .._windows import gather_slots
 from ._base import AbstractRingHolder, Sample, update_storage, UpdateFn
 from ._sizes import SizeArgs
@@ -99,6 +99,41 @@ class Queue(AbstractRingHolder):
                 )
         self.add_sequence_length = add_sequence_length
         self.unread = jnp.array(0, jnp.int32)
+
+    def with_storage(self, storage: RingStorage, *, priority: float | None = None) -> "Queue":
+        """Return the queue holding `storage` (its steps and counters), as `Archive.restore`
+        and `Archive.load` fill it. The ring does not say which steps a learner had read,
+        so every held step counts as read (`unread` is 0): the next `add` has room and the
+        next `sample` returns steps added after this call, never a rollout the learner may
+        already have used.
+
+        **Arguments:**
+
+        - `storage`: a [`equibuffer.RingStorage`][] of the queue's `add_batch_size`,
+            `max_length_time_axis` and leaves (shapes and dtypes).
+        - `priority`: refused (a queue has no priorities); it is there because every
+            buffer's `with_storage` takes it.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            example = {"x": jnp.float32(0)}
+            ring = eb.RingStorage(example, rows=1, length=4).write({"x": jnp.arange(3.0)[None]})
+            queue = eb.Queue(example, add_batch_size=1, max_length_time_axis=4, sequence_length=2)
+            queue = queue.with_storage(ring)
+            assert queue.storage.steps_added() == 3 and not bool(queue.can_sample())
+            queue, sample = queue.add({"x": jnp.array([[3.0, 4.0]])}).sample()
+            assert sample.experience["x"].tolist() == [[3.0, 4.0]]
+            ```
+        """
+        where = "Queue.with_storage()"
+        storage = check_like(where, self.storage, storage)
+        if priority is not None:
+            raise TypeError(f"{where}: a Queue has no priorities: drop `priority`.")
+        unread = jnp.zeros_like(self.unread)  # every held step counts as read
+        return eqx.tree_at(lambda q: (q.storage, q.unread), self, (storage, unread))
 
     def can_add(self, steps: int | None = None) -> BoolScalar:
         """Whether an add of `steps` more steps per row fits without overwriting unread ones

@@ -1,7 +1,9 @@
 """Sampling rules: which windows may be drawn, with what probability, and the state that takes.
 
 A rule is an `eqx.Module` holding its own arrays. The buffer calls it on every add (`added`,
-with what the ring's write reports) and after `update` (`updated`), and asks it to `draw`.
+with what the ring's write reports), after `update` (`updated`) and after its ring was replaced
+(`updated(..., restored=True)`: `with_storage`, `Archive.restore`, `Archive.load`), and asks it
+to `draw`.
 The window itself (layout, validity by the counters, start steps) is the rule of
 `_windows.py`, used by every rule here; the pieces two rules share are components:
 
@@ -144,8 +146,11 @@ class EpisodeEnds(eqx.Module):
         return eqx.tree_at(lambda e: e.ends, self, ends)
 
     def recomputed(self, storage: RingStorage) -> "EpisodeEnds":
-        """The flags recomputed from every stored step (after `update`)."""
-        return eqx.tree_at(lambda e: e.ends, self, self.of(storage.data))
+        """The flags recomputed from every held step (after `update`, or a ring replaced),
+        false at the slots not written yet (as `written` leaves them)."""
+        slots = jnp.arange(storage.length, dtype=jnp.int32)
+        held = window_offsets(storage, slots) < storage.fill
+        return eqx.tree_at(lambda e: e.ends, self, self.of(storage.data) & held[None, :])
 
     def validity(
         self, storage: RingStorage, offsets: Int[Array, " m"], window: Window
@@ -221,6 +226,20 @@ def check_alpha(where: str, alpha: Any) -> float:
             f"proportion to the priorities), got {alpha}."
         )
     return alpha
+
+
+def check_priority(where: str, priority: Any) -> float:
+    """A priority given on the host (`with_storage(..., priority=)`): a positive finite
+    Python float (0 would exclude every window it is given to)."""
+    if isinstance(priority, bool) or not isinstance(priority, int | float):
+        raise TypeError(f"{where}: `priority` must be a Python float, got {priority!r}.")
+    priority = float(priority)
+    if not (math.isfinite(priority) and priority > 0):
+        raise ValueError(
+            f"{where}: `priority` must be finite and > 0 (a window of priority 0 is never "
+            f"drawn), got {priority}."
+        )
+    return priority
 
 
 def check_beta(where: str, beta: Any) -> Float[Array, ""]:
@@ -376,8 +395,14 @@ class AbstractRule(eqx.Module):
         """The rule after an add (`storage` is the ring after it, `appended` its report)."""
 
     @abc.abstractmethod
-    def updated(self, storage: RingStorage, window: Window) -> Any:
-        """The rule after every stored step was rewritten by `update`."""
+    def updated(self, storage: RingStorage, window: Window, *, restored: bool = False) -> Any:
+        """The rule recomputed from `storage` (its held steps and its counters), whatever
+        state it held: after `update` rewrote every stored step, or with `restored=True`
+        after the ring itself was replaced (`with_storage`, and through it `Archive.restore`
+        and `Archive.load`). What the steps and counters determine (episode flags, which
+        windows are valid) is recomputed either way. What they do not (priorities) is kept
+        after `update` for the windows that stay valid; when `restored`, every valid window
+        enters anew, at `max_priority`, as a window an add makes valid does."""
 
     @abc.abstractmethod
     def mask(
@@ -456,7 +481,7 @@ class Uniform(AbstractUniformRule):
     def added(self, storage: RingStorage, appended: Appended, window: Window) -> "Uniform":
         return self
 
-    def updated(self, storage: RingStorage, window: Window) -> "Uniform":
+    def updated(self, storage: RingStorage, window: Window, *, restored: bool = False) -> "Uniform":
         return self
 
     def mask(self, storage: RingStorage, indices: Indices, window: Window) -> None:
@@ -512,7 +537,10 @@ class Episodic(AbstractUniformRule):
         offsets = changed_offsets(storage, appended.keep, window.length)
         return self._rated(storage, episodes, offsets, window)
 
-    def updated(self, storage: RingStorage, window: Window) -> "Episodic":
+    def updated(
+        self, storage: RingStorage, window: Window, *, restored: bool = False
+    ) -> "Episodic":
+        # Every flag and every leaf recomputed: the same whether restored or not.
         offsets = jnp.arange(storage.length, dtype=jnp.int32)
         return self._rated(storage, self.episodes.recomputed(storage), offsets, window)
 
@@ -572,7 +600,7 @@ class Prioritised(AbstractPrioritisedRule):
     """In proportion to `priority ** alpha` over the windows valid by the counters: a
     `SumTree` with one leaf per window start (`row * length + slot`), holding `p ** alpha`
     while the window is valid and 0 otherwise. New windows enter at the largest priority
-    set so far."""
+    set so far; so does every valid window of a restored ring (`updated(restored=True)`)."""
 
     tree: SumTree
     max_priority: Float[Array, ""]
@@ -597,8 +625,18 @@ class Prioritised(AbstractPrioritisedRule):
             tree = self.tree.write(flat_indices(rows, length, slots), values)
         return eqx.tree_at(lambda r: r.tree, self, tree)
 
-    def updated(self, storage: RingStorage, window: Window) -> "Prioritised":
-        return self
+    def updated(
+        self, storage: RingStorage, window: Window, *, restored: bool = False
+    ) -> "Prioritised":
+        if not restored:  # `update` keeps the counters: every window keeps its priority
+            return self
+        # Every leaf written: `max_priority ** alpha` at each window valid by the counters.
+        offsets = jnp.arange(storage.length, dtype=jnp.int32)
+        valid = windows_held(storage, offsets, window.length, window.period)
+        fresh = jnp.where(valid, self.max_priority**self.alpha, 0.0)
+        values = jnp.broadcast_to(fresh, (storage.rows, storage.length)).reshape(-1)
+        indices = flat_indices(storage.rows, storage.length, offset_slots(storage, offsets))
+        return eqx.tree_at(lambda r: r.tree, self, self.tree.write(indices, values))
 
     def mask(self, storage: RingStorage, indices: Indices, window: Window) -> None:
         return None
@@ -698,9 +736,12 @@ class PrioritisedEpisodic(AbstractPrioritisedRule):
         overwritten = jnp.arange(m) >= m - appended.keep
         return self._rated(storage, episodes, offsets, overwritten, window)
 
-    def updated(self, storage: RingStorage, window: Window) -> "PrioritisedEpisodic":
+    def updated(
+        self, storage: RingStorage, window: Window, *, restored: bool = False
+    ) -> "PrioritisedEpisodic":
         offsets = jnp.arange(storage.length, dtype=jnp.int32)
-        overwritten = jnp.zeros(storage.length, jnp.bool_)
+        # Restored: every slot counts as overwritten, so no old priority is kept.
+        overwritten = jnp.full(storage.length, restored, jnp.bool_)
         episodes = self.episodes.recomputed(storage)
         return self._rated(storage, episodes, offsets, overwritten, window)
 

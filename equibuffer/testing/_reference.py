@@ -791,6 +791,40 @@ class BufferReference:
         if self.priorities is not None:
             self.priorities.refresh(self.valid())
 
+    def restore(self, priority: float | None = None) -> None:
+        """Mirror `buffer.with_storage(storage, priority=priority)` given the ring of a buffer
+        that received the batches added here, as `Archive.restore` fills a buffer from the
+        archive of them: the steps stay; for a prioritised buffer every valid window enters
+        at `priority`, which becomes the largest priority (default: the largest so far).
+
+        !!! example
+
+            ```python
+            import jax, jax.numpy as jnp
+            import equibuffer as eb
+            from equibuffer.testing import BufferReference
+
+            example = {"x": jnp.float32(0)}
+            buffer = eb.PrioritisedItemBuffer(example, add_batch_size=1, capacity=4)
+            reference = BufferReference.from_buffer(buffer)
+            batch = {"x": jnp.arange(3.0)[None]}
+            reference.add(batch)
+            ring = eb.RingStorage(example, rows=1, length=4).write(batch)
+            buffer = buffer.with_storage(ring, priority=2.0)
+            reference.restore(priority=2.0)
+            assert reference.priorities.max_priority == 2.0 == float(buffer.max_priority)
+            reference.check_sample(buffer.sample(jax.random.key(0), batch_size=4))
+            ```
+        """
+        if self.priorities is None:
+            if priority is not None:
+                raise TypeError("BufferReference.restore(): the reference has no `alpha`.")
+            return
+        if priority is not None:
+            self.priorities.max_priority = np.float32(priority)
+        top = self.priorities.max_priority
+        self.priorities.priority = {w: top for w in self.valid()}
+
     def valid(self) -> set[tuple[int, int]]:
         """The windows `(row, absolute start)` a sample may draw now."""
         return self.rule.valid(self.history)

@@ -1237,3 +1237,46 @@ def test_compression_none_and_compressible_leaves_are_left_as_asked(tmp_path):
         archive.write(ring_holding(storage, [steps], 32))
         archive.close()
         assert _codec_of(path, "x") == codec
+
+
+def _stored_bytes(path: str, leaf: str) -> int:
+    """The bytes of a leaf's chunk (or shard) objects, its metadata document left out."""
+    return sum(f.stat().st_size for f in (Path(path) / leaf).iterdir() if f.name != "zarr.json")
+
+
+def test_a_small_first_write_is_too_little_to_judge_and_keeps_the_codec(tmp_path):
+    """The codec is judged on chunks as they are stored. A first write of 3 steps of a bool
+    leaf (3 bytes per row, less than the codec's frame) is too little to judge: the leaf
+    keeps its codec, and the episode flags written after it compress several-fold (stored
+    raw, they did not). A leaf whose chunks are smaller than the codec's frame (4 steps of a
+    bool) is stored raw, judged on those chunks, even when the first write is long."""
+    from equibuffer._archive._format import JUDGED_BYTES
+
+    def done(first: int, count: int) -> np.ndarray:  # episodes of 50 steps
+        return (np.arange(first, first + count) % 50 == 49)[None].repeat(2, 0)
+
+    example = {"done": jnp.bool_(False), "x": jnp.zeros(8, jnp.float32)}
+    storage = eb.RingStorage(example, rows=2, length=256)
+    path = str(tmp_path / "flags.zarr")
+    with Archive(path, storage, progress=False, chunk_steps=1024, shard_steps=0) as archive:
+        total = 3
+        assert 3 * 8 * 4 < JUDGED_BYTES  # neither leaf's first part of a chunk is judged
+        archive.write(ring_holding(storage, [done(0, 3), np.ones((2, 3, 8), np.float32)], 3))
+        assert _codec_of(path, "done") == "ZstdCodec" == _codec_of(path, "x")
+        while total < 3 * 1024:
+            held = ring_holding(
+                storage, [done(total, 256), np.ones((2, 256, 8), np.float32)], total + 256
+            )
+            total += archive.write(held)
+        flags = archive.read()["done"]
+    np.testing.assert_array_equal(flags, done(0, total))
+    assert 2 * total / _stored_bytes(path, "done") > 5  # several-fold (raw: 1x)
+
+    frames = {"done": jnp.bool_(False), "frame": jnp.zeros((16, 16), jnp.uint8)}
+    storage = eb.RingStorage(frames, rows=2, length=256)
+    path = str(tmp_path / "frames.zarr")
+    with Archive(path, storage, progress=False, chunk_steps=4, shard_steps=0) as archive:
+        frame = np.zeros((2, 256, 16, 16), np.uint8)
+        archive.write(ring_holding(storage, [done(0, 256), frame], 256))
+    assert _codec_of(path, "done") is None and _codec_of(path, "frame") == "ZstdCodec"
+    assert _stored_bytes(path, "done") == 2 * 256  # 4 bytes per chunk (zstd: 13 or more)

@@ -344,23 +344,40 @@ def create_leaf_array(
     )
 
 
-# A leaf whose first written steps the codec shrinks by less than this ratio is stored without
-# it: decoding costs more than the bytes saved (measured: float32 noise, ratio 1.08 under zstd
-# level 1, decodes at 0.39 GB/s per core, where a copy of raw bytes runs at tens of GB/s).
+# A leaf whose chunks the codec shrinks by less than this ratio is stored without it: decoding
+# costs more than the bytes saved (measured: float32 noise, ratio 1.08 under zstd level 1,
+# decodes at 0.39 GB/s per core, where a copy of raw bytes runs at tens of GB/s).
 WORTH_COMPRESSING = 1.2
-SAMPLE_BYTES = 1 << 20  # the bytes of a leaf's first write the decision compresses
+SAMPLE_BYTES = 1 << 20  # the bytes of a leaf's first write the decision compresses, at most
+JUDGED_CHUNKS = 64  # the chunks it compresses, at most
+# The least a part of a chunk must hold to be judged: the codec's frame (9 to 16 bytes for
+# zstd and blosc) is then at most 1.6% of it. A few steps of a bool leaf are less than their
+# frame, and looked incompressible (though such a leaf compresses several-fold).
+JUDGED_BYTES = 1 << 10
 
 
-def worth_compressing(codec: Any, steps: np.ndarray) -> bool:
-    """Whether `codec` (a numcodecs codec) shrinks a leaf's first written steps
-    `(rows, k, *leaf)` by at least `WORTH_COMPRESSING`, on up to `SAMPLE_BYTES` of them
-    taken evenly over the rows."""
+def worth_compressing(codec: Any, steps: np.ndarray, chunk_steps: int) -> bool:
+    """Whether `codec` (a numcodecs codec) shrinks a leaf's chunks by at least
+    `WORTH_COMPRESSING`, judged on its first written steps `(rows, k, *leaf)` cut as the
+    archive stores them: one row's `chunk_steps` steps, each piece encoded on its own (the
+    codec's frame included), up to `JUDGED_CHUNKS` pieces (`SAMPLE_BYTES`) taken evenly over
+    time and rows. A first write shorter than a chunk is judged on its part of the first
+    chunk of each row when that holds at least `JUDGED_BYTES`; with less there is too
+    little to judge, and the codec is kept."""
     rows, k = steps.shape[:2]
     step_bytes = max(1, steps[0, 0].nbytes)
-    per_row = max(1, min(k, SAMPLE_BYTES // (rows * step_bytes)))
-    sample = np.ascontiguousarray(steps[:, :per_row])
-    encoded = codec.encode(sample)
-    return sample.nbytes >= WORTH_COMPRESSING * len(memoryview(encoded).cast("B"))
+    span = min(k, chunk_steps)  # the steps of one piece
+    if span < chunk_steps and span * step_bytes < JUDGED_BYTES:
+        return True
+    pieces = rows * (k // span)  # time-major: piece `i` is row `i % rows`, chunk `i // rows`
+    count = min(pieces, JUDGED_CHUNKS, max(1, SAMPLE_BYTES // (span * step_bytes)))
+    raw = encoded = 0
+    for i in np.unique(np.linspace(0, pieces - 1, count).round().astype(np.int64)):
+        row, chunk = int(i) % rows, int(i) // rows
+        piece = np.ascontiguousarray(steps[row, chunk * span : (chunk + 1) * span])
+        raw += piece.nbytes
+        encoded += len(memoryview(codec.encode(piece)).cast("B"))
+    return raw >= WORTH_COMPRESSING * encoded
 
 
 def document(record: dict) -> bytes:

@@ -266,16 +266,19 @@ class Writer:
             raise
 
     def choose_codecs(self, host: list[np.ndarray]) -> None:
-        """Before the archive's first steps are written: each leaf whose steps its codec
-        hardly shrinks (`worth_compressing`: random frames, noise) is recreated without the
-        codec, so that reading it costs a copy rather than a decode. Each array's metadata
-        says how it is stored, so zarr and every reader (refreshed) read it as written."""
+        """Before the archive's first steps are written: each leaf whose chunks its codec
+        hardly shrinks (`worth_compressing`: random frames, noise, chunks smaller than the
+        codec's frame) is recreated without the codec, so that reading it costs a copy
+        rather than a decode; a leaf of which the write holds too little to judge keeps it.
+        Each array's metadata says how it is stored, so zarr and every reader (refreshed)
+        read it as written."""
         layout = self.reader.layout
+        chunks = layout.chunk_steps
         group = None
         for leaf, steps in zip(layout.leaves, host, strict=True):
             # (an array another tool re-encoded, which `direct_codecs` refuses, is kept)
             how = direct_codecs(self.reader.arrays[leaf.name])
-            if how is None or how[0] is None or worth_compressing(how[0], steps):
+            if how is None or how[0] is None or worth_compressing(how[0], steps, chunks):
                 continue
             if group is None:
                 group = zarr.open_group(self.reader.store, mode="a", zarr_format=3)

@@ -31,7 +31,7 @@ from ._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar, 
 from ._errors import branched_error_if, error_if, recorded
 from ._protocol import AbstractPrioritisedSource, AbstractReplayBuffer
 from ._ring import check_batch, RingStorage
-from ._sumtree import SumTree
+from ._sumtree import read_once, SumTree
 
 
 _Clustered = TypeVar("_Clustered", bound="AbstractClusteredBuffer")
@@ -418,7 +418,7 @@ class PrioritisedInCluster(AbstractClusterRule):
         pick = cluster[None, :]
         slot = jnp.take_along_axis(slots, pick, axis=0)[0]
         leaf = jnp.take_along_axis(leaves, pick, axis=0)[0]
-        slot, leaf = jax.lax.optimization_barrier((slot, leaf))
+        slot, leaf, totals, w = read_once(slot, leaf, totals, w)
         failure = jnp.where(jnp.sum(held) > 0, jnp.where(jnp.sum(w) > 0, 2, 1), 0)
         cluster = branched_error_if(
             cluster,
@@ -466,7 +466,7 @@ class PrioritisedInCluster(AbstractClusterRule):
         pick = cluster[None]
         slot = jnp.take_along_axis(jnp.stack([f for f, _ in found]), pick, axis=0)[0]
         leaf = jnp.take_along_axis(jnp.stack([v for _, v in found]), pick, axis=0)[0]
-        slot, leaf = jax.lax.optimization_barrier((slot, leaf))
+        slot, leaf, totals, w = read_once(slot, leaf, totals, w)
         every_held = jnp.all(jnp.sum(held, axis=1) > 0)
         failure = jnp.where(every_held, jnp.where(jnp.all(jnp.sum(w, axis=1) > 0), 2, 1), 0)
         cluster = branched_error_if(

@@ -2,6 +2,7 @@
 
 import functools
 import math
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -577,6 +578,21 @@ class SumTree(eqx.Module):
                 f"and dtype {indices.dtype}."
             )
         return indices.astype(jnp.int32)
+
+
+def read_once(*arrays: Any) -> Any:
+    """`arrays` through one `optimization_barrier`: each output depends on every input, and
+    what is computed from an output reads it, never what the input was read from.
+
+    This keeps a donated buffer's updates in place. XLA writes an array in place only where
+    every read of it is ordered before the write, and only data dependencies order them; a
+    read that the write does not depend on makes XLA copy the whole array (twice) to keep
+    it. So a draw passes everything it reads from a tree (the leaves drawn, their values,
+    the totals) through one barrier: `set_priorities` depends on the drawn indices, and so,
+    through them, on every read, also those that only the importance weights use (say the
+    total in `leaf / total`, fused into a weighted loss). An update that reads an array it
+    then writes passes the read with the values written."""
+    return jax.lax.optimization_barrier(arrays)
 
 
 def _flush_subnormal(values: Float[Array, " batch"]) -> Float[Array, " batch"]:

@@ -147,21 +147,43 @@ _COLLECTIVE = re.compile(
     r"= (\(?[^=]*?) (all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)"
     r"(-start)?\("
 )
+_COPY = re.compile(r"= (\(?[^=]*?) (copy)(-start)?\(")
 _SHAPE = re.compile(r"\w+\[([\d,]*)\]")
+
+
+def compiled_hlo(fn, *args, donate: bool = False) -> str:
+    """The optimised HLO text of `fn(*args)` compiled for the default device (arrays traced,
+    the rest static), with every array of `args[0]` donated if `donate` (as
+    `eqx.filter_jit(donate="all")` does for a state returned updated)."""
+    (first, rest), static = eqx.partition((args[0], args[1:]), eqx.is_array)
+
+    def raw(first, rest):
+        head, tail = eqx.combine((first, rest), static)
+        out = fn(head, *tail)
+        return eqx.partition(out, eqx.is_array)[0]
+
+    jitted = jax.jit(raw, donate_argnums=0 if donate else ())
+    return jitted.lower(first, rest).compile().as_text()
+
+
+def result_sizes(pattern: re.Pattern, hlo: str) -> list[int]:
+    """The size, in elements, of every array result of the instructions `pattern` finds
+    (its group 1: the result's type, an array or a tuple of them)."""
+    return [
+        int(np.prod([int(d) for d in dims.split(",") if d]))
+        for m in pattern.finditer(hlo)
+        for dims in _SHAPE.findall(m.group(1))
+    ]
 
 
 def largest_collective(fn, *args) -> int:
     """The largest result, in elements, of any collective of the compiled `fn(*args)` (0 when
     it has none): on a mesh, what `fn` moves between devices at most in one collective."""
-    arrays, static = eqx.partition(args, eqx.is_array)
+    return max([0, *result_sizes(_COLLECTIVE, compiled_hlo(fn, *args))])
 
-    def raw(arrays):
-        out = fn(*eqx.combine(arrays, static))
-        return eqx.partition(out, eqx.is_array)[0]
 
-    hlo = jax.jit(raw).lower(arrays).compile().as_text()
-    sizes = [0]
-    for m in _COLLECTIVE.finditer(hlo):
-        for dims in _SHAPE.findall(m.group(1)):
-            sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
-    return max(sizes)
+def copies(fn, *args) -> list[int]:
+    """The size, in elements, of every copy (`copy`, `copy-start`) in the compiled
+    `fn(*args)` with `args[0]` donated: a copy of a whole donated array means XLA could not
+    update it in place."""
+    return result_sizes(_COPY, compiled_hlo(fn, *args, donate=True))

@@ -34,7 +34,7 @@ from .._checks import keystr
 from .._custom_types import BoolScalar, Indices, IntScalar, Steps
 from .._errors import branched_error_if, error_if, record
 from .._ring import Appended, RingStorage
-from .._sumtree import SumTree
+from .._sumtree import read_once, SumTree
 from .._windows import (
     changed_offsets,
     flat_indices,
@@ -270,20 +270,21 @@ def draw_by_priority(
     the `b`-th `batch_size / blocks` draws are made inside block `b`, in proportion to the
     values there: probabilities and weights are those of the block (its total, its smallest
     drawn probability), and a block of total 0 fails as a tree of total 0 does."""
-    # The barrier keeps XLA from fusing the tree search into the gather of the windows
-    # (which would redo the search for every gathered element).
     if blocks == 1:
-        indices, leaves = jax.lax.optimization_barrier(tree.sample_values(key, batch_size))
-        total = tree.total()
-        totals = total
+        indices, leaves = tree.sample_values(key, batch_size)
+        totals = tree.total()
     else:
         per = batch_size // blocks
         totals = tree.block_totals(blocks)[:, None]
         u = (
             jnp.arange(per, dtype=jnp.float32)[None, :] + jax.random.uniform(key, (blocks, per))
         ) / per
-        indices, leaves = jax.lax.optimization_barrier(tree.search_blocks(u * totals))
-        total = jnp.min(totals)
+        indices, leaves = tree.search_blocks(u * totals)
+    # The barrier keeps XLA from fusing the tree search into the gather of the windows
+    # (which would redo the search for every gathered element), and it is the only way out
+    # of the tree: see `read_once`.
+    indices, leaves, totals = read_once(indices, leaves, totals)
+    total = jnp.min(totals)
     failure = jnp.where(total > 0, 3, jnp.where(none_valid, 2, 1))
     failure = jnp.where(~ready, 0, failure)
     indices = branched_error_if(
@@ -713,6 +714,9 @@ class PrioritisedEpisodic(AbstractPrioritisedRule):
         kept = before & ~overwritten[None, :]
         leaves = jnp.where(valid, jnp.where(kept, old, fresh), 0.0)
         tree = self.tree.write(indices, leaves.reshape(-1))
+        # The flags written only after `before` is read: else XLA copies them to keep
+        # `before`, which nothing makes it read first (see `read_once`).
+        before, valid = read_once(before, valid)
         new_valid = self.valid.at[:, slots].set(
             valid, unique_indices=True, mode="promise_in_bounds"
         )

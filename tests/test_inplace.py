@@ -1,0 +1,162 @@
+"""A prioritised training step updates its buffer in place: compiled with the buffer donated,
+the step every PER user writes (sample; a loss weighted by the sample's importance weights,
+or by its probabilities; `set_priorities` from the TD errors; with or without an add
+first) holds no copy of a sum tree, of the storage or of any other array of the buffer's
+size, for every prioritised kind. A read of the tree that only the weights use (the total
+in `leaf / total`) used to make XLA copy the whole tree twice per step."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import equibuffer as eb
+
+from .helpers import copies
+from .mesh_kinds import add, batch, cluster_of, EXAMPLE
+
+
+BATCH = 16
+ROWS = 2
+# Every array of the buffer that grows with the capacity (sum trees, storage, episode flags)
+# has at least this many elements; everything else in the step (the batch, the parameters,
+# the counters) far fewer.
+LENGTH = 2048
+
+
+def _kinds() -> dict:
+    size = dict(add_batch_size=ROWS, max_length_time_axis=LENGTH)
+    ex = EXAMPLE
+    clusters = dict(add_batch_size=ROWS, num_clusters=3, cluster_capacity=LENGTH)
+    return {
+        "trajectory": lambda: eb.PrioritisedTrajectoryBuffer(ex, sequence_length=4, **size),
+        "transition": lambda: eb.PrioritisedTransitionBuffer(ex, **size),
+        "n_step": lambda: eb.PrioritisedTransitionBuffer(ex, n_step=3, discount=0.9, **size),
+        "n_step_episodes": lambda: eb.PrioritisedTransitionBuffer(
+            ex, n_step=3, discount=0.9, episode_end="terminated", **size
+        ),
+        "item": lambda: eb.PrioritisedItemBuffer(ex, **size),
+        "episodes": lambda: eb.PrioritisedEpisodeTrajectoryBuffer(
+            ex, sequence_length=3, episode_end="terminated", mode="pad", **size
+        ),
+        "clustered": lambda: eb.PrioritisedClusteredBuffer(ex, cluster_fn=cluster_of, **clusters),
+        "mixer": lambda: eb.Mixer(
+            (
+                eb.PrioritisedTrajectoryBuffer(ex, sequence_length=3, **size),
+                eb.PrioritisedEpisodeTrajectoryBuffer(
+                    ex, sequence_length=3, episode_end="terminated", **size
+                ),
+            ),
+            (0.5, 0.5),
+        ),
+        "rate_limited": lambda: eb.RateLimited(eb.PrioritisedItemBuffer(ex, **size), 4.0, 64.0),
+    }
+
+
+KINDS = _kinds()
+
+
+class TrainState(eqx.Module):
+    params: jax.Array
+    buffer: eb.AbstractSource | eb.RateLimited
+
+
+def _draw(buffer, key, row_blocks: int):
+    kw = {} if row_blocks == 1 else {"row_blocks": row_blocks}
+    sample = buffer.sample(key, BATCH, beta=0.4, **kw)
+    if isinstance(buffer, eb.RateLimited):
+        return sample  # (limited, sample)
+    return buffer, sample
+
+
+def _features(sample) -> jax.Array:
+    leaves = jax.tree.leaves(sample.experience)
+    return jnp.concatenate([x.reshape(BATCH, -1).astype(jnp.float32) for x in leaves], axis=1)
+
+
+def _importance(sample, by: str) -> jax.Array:
+    """What the loss is weighted by: the sample's weights, weights a user computes from its
+    probabilities (beta = 1; a mix's from its sources' samples), or nothing."""
+    if by == "weights":
+        return sample.weights
+    if by == "none":
+        return jnp.ones(BATCH)
+    if isinstance(sample, eb.MixedSample):
+        p = jnp.concatenate([s.probabilities for s in sample.samples])
+    else:
+        p = sample.probabilities
+    return jnp.min(p) / p
+
+
+def _train_step(by: str, row_blocks: int = 1, adds: bool = False):
+    """Sample, a linear Q's loss weighted by the sample, one SGD step, `set_priorities` from
+    the TD errors: the step of every PER user (after an add of `batch(0, ROWS)` if
+    `adds`)."""
+
+    def step(state: TrainState, key) -> TrainState:
+        buffer = state.buffer
+        if adds:
+            new = batch(0, ROWS)
+            buffer = buffer.add(new) if isinstance(buffer, eb.RateLimited) else add(buffer, new)
+        buffer, sample = _draw(buffer, key, row_blocks)
+        x = _features(sample)
+        weight = _importance(sample, by)
+
+        def loss(params):
+            return jnp.mean(weight * (x @ params - 1.0) ** 2)
+
+        td = x @ state.params - 1.0
+        params = state.params - 1e-3 * jax.grad(loss)(state.params)
+        return TrainState(params, buffer.set_priorities(sample, jnp.abs(td) + 1e-3))
+
+    return step
+
+
+def _state(kind: str, row_blocks: int = 1) -> TrainState:
+    buffer = KINDS[kind]()
+    _, sample = jax.eval_shape(lambda b: _draw(b, jax.random.key(0), row_blocks), buffer)
+    features = jax.eval_shape(_features, sample).shape[1]
+    return TrainState(jnp.zeros(features), buffer)
+
+
+def _assert_in_place(step, state: TrainState) -> None:
+    sizes = copies(step, state, jax.random.key(0))
+    big = [n for n in sizes if n >= LENGTH]
+    assert not big, f"the step copies arrays of {big} elements (the buffer's are >= {LENGTH})"
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_prioritised_step_updates_in_place(kind):
+    _assert_in_place(_train_step("weights"), _state(kind))
+
+
+@pytest.mark.parametrize("kind", ["item", "clustered", "mixer"])
+def test_prioritised_step_weighted_by_probabilities_updates_in_place(kind):
+    """Weights a user computes from `sample.probabilities` (which are read from the tree)."""
+    _assert_in_place(_train_step("probabilities"), _state(kind))
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_prioritised_step_with_an_add_updates_in_place(kind):
+    """An add first: a prioritised episode rule reads the validity flags it then writes (it
+    used to copy them)."""
+    _assert_in_place(_train_step("weights", adds=True), _state(kind))
+
+
+@pytest.mark.parametrize("kind", ["trajectory", "episodes", "clustered"])
+def test_prioritised_step_by_row_blocks_updates_in_place(kind):
+    """With `row_blocks` the draw reads each block's total from the tree."""
+    _assert_in_place(_train_step("weights", 2), _state(kind, row_blocks=2))
+
+
+def test_a_weighted_loss_costs_no_copy_against_an_unweighted_one():
+    """The check itself: the same step with an unweighted loss has no copy of the tree
+    either, and the parse finds a copy where there is one (a tree read after its write)."""
+
+    def copied(state: TrainState, key) -> tuple:
+        tree = state.buffer.tree
+        return tree.write(jnp.arange(4), jnp.ones(4)), tree.total()
+
+    state = _state("item")
+    assert max(copies(copied, state, jax.random.key(0))) >= LENGTH
+    _assert_in_place(_train_step("none"), state)

@@ -258,7 +258,7 @@ def _fold(words: list[jax.Array]) -> jax.Array:
 def _attach(out: Any, word: jax.Array) -> Any:
     from ._buffers._samples import Sample  # (imports this module)
 
-    first = [True]
+    first, kept = [True], [False]
 
     def put(x: Any) -> Any:
         if not _carries(x):
@@ -267,9 +267,13 @@ def _attach(out: Any, word: jax.Array) -> Any:
             if not first[0]:
                 return x
             first[0] = False
+        kept[0] = True
         return x.with_error(word)
 
-    return jax.tree.map(put, out, is_leaf=_carries)
+    out = jax.tree.map(put, out, is_leaf=_carries)
+    if not kept[0]:  # a failure must never be dropped: a method marked wrongly
+        raise TypeError(f"internal: a @recorded method returned no buffer or sample: {out!r}")
+    return out
 
 
 def raise_recorded(code: int) -> None:

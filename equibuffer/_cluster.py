@@ -379,8 +379,11 @@ class PrioritisedInCluster(AbstractClusterRule):
 
     def added(self, storage: ClusterStorage, routed: Routed) -> "PrioritisedInCluster":
         fresh = jnp.broadcast_to(self.max_priority**self.alpha, routed.slot.shape)
+        # (the items kept in one cluster have distinct slots)
         trees = tuple(
-            tree.write(routed.slot, fresh, mask=routed.kept & (routed.cluster == c))
+            tree.write(
+                routed.slot, fresh, mask=routed.kept & (routed.cluster == c), unique_indices=True
+            )
             for c, tree in enumerate(self.trees)
         )
         return eqx.tree_at(lambda r: r.trees, self, trees)
@@ -1052,9 +1055,10 @@ class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSou
         **Returns:**
 
         The updated buffer. An update is **dropped** when its slot no longer holds the item
-        that was sampled (its cluster has overwritten it since). When an index appears more
-        than once, one of its updates is applied, unspecified which. The largest priority
-        applied raises the priority at which new items enter.
+        that was sampled (its cluster has overwritten it since). When an item appears more
+        than once, the last of its updates that is not dropped is applied, as in NumPy, on
+        every platform. The largest priority applied raises the priority at which new items
+        enter.
 
         !!! example
 

@@ -19,6 +19,14 @@ from ._errors import branched_error_if, error_if
 # levels they save: see `bench_layouts` there and benchmarks/README.md.
 _DEFAULT_FANOUT = 8
 _DEFAULT_TOP = 8
+# A write of at most this many leaves goes over the levels in a `fori_loop` (see
+# `SumTree.write`): XLA:CPU's estimate of a one-step `add` of 8 rows of transitions (16 leaves)
+# stays under the 1,000 flops below which it runs a program in the calling thread, that of
+# 32 leaves is above it whichever way the levels go.
+_SMALL_WRITE = 24
+# Up to this many entries, a write finds the repeated leaves by comparing every pair of
+# entries; above, by marking the leaves (see `_last_of_each`).
+_PAIRWISE = 64
 
 
 @functools.cache
@@ -183,10 +191,10 @@ class SumTree(eqx.Module):
         """Return the tree with leaf `indices[i]` set to `values[i]`, and every node above the
         touched leaves recomputed from its children.
 
-        When an index appears more than once in the batch, **one** of its values is written,
-        unspecified which (the scatter's order is up to the backend; on CPU it is the last);
-        the tree stays consistent either way, since the nodes above are recomputed from the
-        leaves written. Deduplicate first where a particular one must win.
+        When an index appears more than once in the batch, the **last** of its values is
+        written, as in NumPy's `a[indices] = values`, on every platform (XLA's scatter leaves
+        the order of repeated indices to the platform: the batch is deduplicated first, see
+        `write`).
 
         Inside jit, `eqx.error_if` raises on an index outside `[0, capacity)` or on a value
         that is negative, NaN or infinite (one check). Values are cast to float32; a
@@ -201,6 +209,8 @@ class SumTree(eqx.Module):
             tree = eb.SumTree(4).set(jnp.array([0, 2]), jnp.array([1.0, 3.0]))
             tree = tree.set(jnp.array([2]), jnp.array([0.5]))  # overwrites leaf 2
             assert tree.values().tolist() == [1.0, 0.0, 0.5, 0.0] and float(tree.total()) == 1.5
+            tree = tree.set(jnp.array([1, 3, 1]), jnp.array([4.0, 2.0, 6.0]))  # leaf 1 twice
+            assert tree.values().tolist() == [1.0, 6.0, 0.5, 2.0]  # the last value given wins
             ```
         """
         where = "SumTree.set()"
@@ -230,9 +240,25 @@ class SumTree(eqx.Module):
         values: Float[Array, " batch"],
         *,
         mask: Bool[Array, " batch"] | None = None,
+        unique_indices: bool = False,
     ) -> "SumTree":
         """Unchecked batched write (indices in `[0, capacity)`, values non-negative and finite),
-        for the buffers. Entries where `mask` is false are skipped. Duplicates: as for `set`.
+        for the buffers.
+
+        **Arguments:**
+
+        - `indices`, `values`: `(batch,)` leaves and their new values.
+        - `mask`: entries where it is false are skipped (default: none).
+        - `unique_indices`: a promise that no index appears twice among the entries not
+            skipped (as for JAX's scatter): the write then skips the deduplication below.
+            Repeated indices break the promise: which value they leave is then the
+            platform's choice.
+
+        Where an index appears several times among the entries not skipped, the last of them
+        wins, as in NumPy, on every platform: each entry first writes a mark of its position
+        by a scatter-min (whose result does not depend on the order), and only the entry
+        whose mark stays, the last, writes its value, by a scatter whose indices are unique.
+        A skipped entry never overrides one before it.
 
         !!! example
 
@@ -243,44 +269,56 @@ class SumTree(eqx.Module):
             indices, values = jnp.array([0, 1, 3]), jnp.array([1.0, 2.0, 4.0])
             tree = eb.SumTree(4).write(indices, values, mask=jnp.array([True, False, True]))
             assert tree.values().tolist() == [1.0, 0.0, 0.0, 4.0] and float(tree.total()) == 5.0
+            # leaf 2 three times: the last entry not skipped wins
+            mask = jnp.array([True, True, False])
+            tree = tree.write(jnp.array([2, 2, 2]), jnp.array([5.0, 6.0, 7.0]), mask=mask)
+            assert tree.values().tolist() == [1.0, 0.0, 6.0, 4.0]
             ```
         """
         k = self.fanout
         sizes, offsets = _layout(self.capacity, self.fanout, self.top)
-        nodes = self.nodes
+        nodes, end = self.nodes, offsets[-1]  # (an index past the end: dropped by a scatter)
         indices = indices.astype(jnp.int32)
         values = _flush_subnormal(values)
-        if mask is None:
-            nodes = nodes.at[indices].set(values, mode="promise_in_bounds")
-        else:
-            # Past the end of `nodes`: dropped by the scatter.
-            target = jnp.where(mask, indices, offsets[-1])
-            nodes = nodes.at[target].set(values, mode="drop")
+        target = indices if mask is None else jnp.where(mask, indices, end)
+        if not unique_indices:
+            nodes, target = _last_of_each(nodes, sizes[0], indices, target, end)
+        nodes = nodes.at[target].set(values, mode="drop", unique_indices=True)
         # Recompute the touched node of each level above from its children. A skipped entry
-        # recomputes its (unchanged) nodes too, which is harmless; several entries sharing a
-        # node write the same sum. The lower levels, where the batch touches few of the
-        # nodes, are one `fori_loop` over the levels (the tree's depth, not the batch: each
-        # step is one gather and one scatter of the whole batch); the levels above, which a
-        # batch touches about everywhere, are recomputed whole (one dense sum each).
+        # recomputes its (unchanged) nodes too, which is harmless; entries sharing a node
+        # write the same sum (so their order does not matter). The lower levels, where the
+        # batch touches few of the nodes: one gather of the children and one scatter of their
+        # sums each; the levels above, which a batch touches about everywhere: recomputed
+        # whole (one dense sum each).
         batch = indices.shape[0]
         sparse = sum(1 for n in sizes[:-2] if batch * k < n)  # a prefix of the levels
 
-        def level_up(level: Int[Array, ""], carry: tuple[Array, Array]) -> tuple[Array, Array]:
+        def level_up(
+            level: Int[Array, ""] | int, carry: tuple[Array, Array]
+        ) -> tuple[Array, Array]:
             nodes, node = carry
             node = jax.lax.div(node, jnp.int32(k))  # (indices are non-negative)
-            starts = jnp.asarray(offsets, jnp.int32)
-            children = _rows(nodes, starts[level - 1] + node * k, k)
-            nodes = nodes.at[starts[level] + node].set(
-                children.sum(axis=1), mode="promise_in_bounds"
-            )
-            return nodes, node
+            if isinstance(level, int):  # the children read from their own level (`_level`)
+                children = _rows(_level(nodes, level - 1, sizes, offsets), node * k, k)
+                at = offsets[level] + node
+            else:
+                starts = jnp.asarray(offsets, jnp.int32)
+                children = _rows(nodes, starts[level - 1] + node * k, k)
+                at = starts[level] + node
+            return nodes.at[at].set(children.sum(axis=1), mode="promise_in_bounds"), node
 
-        # (On CPU this also keeps the program of a small write under XLA's estimate for
-        # running it in the calling thread, which counts a loop's body once.)
-        nodes, _ = jax.lax.fori_loop(1, sparse + 1, level_up, (nodes, indices))
+        if batch <= _SMALL_WRITE:
+            # A `fori_loop` over the levels keeps a small write (the few leaves of a one-step
+            # `add`) under XLA:CPU's estimate for running a program in the calling thread,
+            # which counts a loop's body once.
+            nodes, _ = jax.lax.fori_loop(1, sparse + 1, level_up, (nodes, indices))
+        else:
+            carry = (nodes, indices)
+            for level in range(1, sparse + 1):
+                carry = level_up(level, carry)
+            nodes = carry[0]
         for level in range(sparse + 1, len(sizes) - 1):
-            below, size_below = offsets[level - 1], sizes[level - 1]
-            sums = nodes[below : below + size_below].reshape(-1, k).sum(axis=1)
+            sums = _level(nodes, level - 1, sizes, offsets).reshape(-1, k).sum(axis=1)
             sums = _pad_to(sums, sizes[level])
             nodes = jax.lax.dynamic_update_slice(nodes, sums, (offsets[level],))
         return self._with_root(nodes)
@@ -534,11 +572,11 @@ class SumTree(eqx.Module):
         """From `node` of `level` (of value `value`) and the prefix `u` inside it, down to
         the leaf holding it, and its value."""
         k = self.fanout
-        _, offsets = _layout(self.capacity, self.fanout, self.top)
+        sizes, offsets = _layout(self.capacity, self.fanout, self.top)
         barrier = jax.lax.optimization_barrier if level > 1 else lambda x: x
         node, u = barrier((node, u))
         for below in reversed(range(level)):
-            children = barrier(_rows(self.nodes, offsets[below] + node * k, k))
+            children = barrier(_rows(_level(self.nodes, below, sizes, offsets), node * k, k))
             child, before, value = _descend(children, u)
             node, u = barrier((node * k + child, u - before))
         return jnp.minimum(node, self.capacity - 1), value
@@ -612,6 +650,48 @@ def _not_priorities(values: Float[Array, " batch"]) -> Bool[Array, ""]:
 
 def _index_message(where: str, tree: SumTree) -> str:
     return f"{where}: every index must be in [0, capacity={tree.capacity})."
+
+
+def _level(
+    nodes: Float[Array, " nodes"], level: int, sizes: tuple[int, ...], offsets: tuple[int, ...]
+) -> Float[Array, " size"]:
+    """Level `level` of the flat `nodes` (a static slice). A gather reads its rows from the
+    level rather than from `nodes`: XLA:CPU splits an operation across threads by the size
+    of what it reads, and a hand-off to another thread costs more than the few rows a batch
+    reads (each gather from the upper levels of a large tree was split so)."""
+    return nodes[offsets[level] : offsets[level] + sizes[level]]
+
+
+def _last_of_each(
+    nodes: Float[Array, " nodes"],
+    leaves: int,
+    indices: Int[Array, " batch"],
+    target: Int[Array, " batch"],
+    end: int,
+) -> tuple[Float[Array, " nodes"], Int[Array, " batch"]]:
+    """For a scatter of a batch to the leaves `target` (`end` where an entry is skipped,
+    `indices` otherwise; `leaves`: the size of the leaf level): `target` with `end` at every
+    entry that a later one not skipped overrides (the same leaf), so that the last one wins,
+    as in NumPy, whatever order the platform's scatter takes; and `nodes` as the scatter of
+    the values must start from.
+
+    Up to `_PAIRWISE` entries, every pair is compared (`batch**2` comparisons, no access to
+    the tree). Above, each entry writes its mark `-(i + 1)` by a scatter-min (whose result
+    does not depend on the order; every leaf is non-negative, so a mark replaces it), and
+    the entries that read their own mark back are the last of their leaf: O(batch) work, two
+    more accesses of the batch's leaves. Every marked leaf has exactly one such entry, whose
+    value then replaces the mark; the marks are exact in float32 (`batch` below 2**24)."""
+    batch = indices.shape[0]
+    if batch <= _PAIRWISE:
+        position = jnp.arange(batch, dtype=jnp.int32)
+        later = (target[:, None] == target[None, :]) & (position[:, None] > position[None, :])
+        return nodes, jnp.where(jnp.any(later, axis=0), end, target)
+    if batch >= 2**24:
+        raise ValueError(f"SumTree.write(): a batch of {batch} entries; at most 2**24 - 1.")
+    mark = -jnp.arange(1, batch + 1, dtype=jnp.float32)
+    nodes = nodes.at[target].min(mark, mode="drop")
+    last = nodes[:leaves].at[indices].get(mode="promise_in_bounds") == mark
+    return nodes, jnp.where(last, target, end)
 
 
 def _rows(nodes: Float[Array, " n"], starts: Int[Array, " b"], k: int) -> Float[Array, "b k"]:

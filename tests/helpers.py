@@ -176,6 +176,20 @@ def result_sizes(pattern: re.Pattern, hlo: str) -> list[int]:
     ]
 
 
+def scatters(jaxpr) -> list:
+    """Every scatter equation of `jaxpr` and of the jaxprs inside it, in order."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name.startswith("scatter"):
+            out.append(eqn)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out.extend(scatters(inner))
+    return out
+
+
 def largest_collective(fn, *args) -> int:
     """The largest result, in elements, of any collective of the compiled `fn(*args)` (0 when
     it has none): on a mesh, what `fn` moves between devices at most in one collective."""

@@ -1,6 +1,7 @@
 """One buffer of every kind, with the batches it takes and one add-and-sample step, for the
 scripts that run every kind on 8 host devices (tests/test_sharding_kinds.py,
-tests/test_per_device.py). Imported inside those scripts' processes."""
+tests/test_per_device.py; imported inside those scripts' processes), and every prioritised
+kind, for the tests of what holds for each (tests/test_inplace.py, tests/test_last_wins.py)."""
 
 import equinox as eqx
 import jax
@@ -67,6 +68,37 @@ def kinds(rows: int, length: int) -> dict:
         "rate_limited": lambda: eb.RateLimited(
             eb.TrajectoryBuffer(ex, sequence_length=4, **size), 4.0, 64.0
         ),
+    }
+
+
+def prioritised_kinds(rows: int, length: int) -> dict:
+    """Builders of every kind of prioritised buffer (and a mix and a rate limiter of them),
+    `rows` rows of `length` steps (clusters of `length` slots)."""
+    size = dict(add_batch_size=rows, max_length_time_axis=length)
+    ex = EXAMPLE
+    clusters = dict(add_batch_size=rows, num_clusters=3, cluster_capacity=length)
+    return {
+        "trajectory": lambda: eb.PrioritisedTrajectoryBuffer(ex, sequence_length=4, **size),
+        "transition": lambda: eb.PrioritisedTransitionBuffer(ex, **size),
+        "n_step": lambda: eb.PrioritisedTransitionBuffer(ex, n_step=3, discount=0.9, **size),
+        "n_step_episodes": lambda: eb.PrioritisedTransitionBuffer(
+            ex, n_step=3, discount=0.9, episode_end="terminated", **size
+        ),
+        "item": lambda: eb.PrioritisedItemBuffer(ex, **size),
+        "episodes": lambda: eb.PrioritisedEpisodeTrajectoryBuffer(
+            ex, sequence_length=3, episode_end="terminated", mode="pad", **size
+        ),
+        "clustered": lambda: eb.PrioritisedClusteredBuffer(ex, cluster_fn=cluster_of, **clusters),
+        "mixer": lambda: eb.Mixer(
+            (
+                eb.PrioritisedTrajectoryBuffer(ex, sequence_length=3, **size),
+                eb.PrioritisedEpisodeTrajectoryBuffer(
+                    ex, sequence_length=3, episode_end="terminated", **size
+                ),
+            ),
+            (0.5, 0.5),
+        ),
+        "rate_limited": lambda: eb.RateLimited(eb.PrioritisedItemBuffer(ex, **size), 4.0, 64.0),
     }
 
 

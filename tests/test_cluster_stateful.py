@@ -198,18 +198,20 @@ class ClusteredMachine(CountedMachine):
     @precondition(lambda self: self.c.alpha is not None and bool(self.samples))
     @rule(data=st.data(), by_index=st.booleans())
     def set_priorities(self, data: st.DataObject, by_index: bool):
-        """Priorities for a recent sample (some of its items may be overwritten since): the
-        same priority for every row of an item; `DROPPED` for items no longer held."""
+        """Priorities for a recent sample (some of its items may be overwritten since): one
+        per row, so an item drawn twice may get two (the last one wins); `DROPPED` for items
+        no longer held."""
         ref = self.ref
         assert ref.priorities is not None
         sample = data.draw(st.sampled_from(self.samples), label="sample")
         items = np.asarray(sample.experience["id"]).tolist()
-        current = sorted({i for i in items if i in ref.priorities.priority})
         values = data.draw(
-            st.lists(st.sampled_from(PRIORITIES), min_size=len(current), max_size=len(current))
+            st.lists(st.sampled_from(PRIORITIES), min_size=len(items), max_size=len(items))
         )
-        value_of = dict(zip(current, values, strict=True))
-        priorities = np.array([value_of.get(i, DROPPED) for i in items], np.float32)
+        held = ref.priorities.priority
+        priorities = np.array(
+            [v if i in held else DROPPED for i, v in zip(items, values, strict=True)], np.float32
+        )
         ref.priorities.set(items, priorities)  # type: ignore[arg-type]  (ids, not windows)
         if by_index:
             self.buffer = _set_by_index(

@@ -261,14 +261,16 @@ class PrioritisedEpisodeMachine(EpisodeMachine):
             if others:
                 for j in range(data.draw(st.integers(0, BATCH), label="replaced")):
                     windows[j] = data.draw(st.sampled_from(others))
-        # One priority per window (duplicates agree), so no result depends on which
-        # duplicate the buffer applies. Updates the buffer must drop carry a priority above
-        # any other, which shows (as the entry priority of new windows) if one is applied.
-        distinct = sorted(w for w in set(windows) if w in current)
-        n = len(distinct)
+        # One priority per row: a repeated window may get several, and the last one applied
+        # wins (the reference applies them in order). Updates the buffer must drop carry a
+        # priority above any other, which shows (as the entry priority of new windows) if
+        # one is applied.
+        n = len(windows)
         values = data.draw(st.lists(st.sampled_from(PRIORITIES), min_size=n, max_size=n))
-        value_of = dict(zip(distinct, values, strict=True))
-        priorities = np.array([value_of.get(w, DROPPED) for w in windows], np.float32)
+        priorities = np.array(
+            [v if w in current else DROPPED for w, v in zip(windows, values, strict=True)],
+            np.float32,
+        )
         if as_arrays:
             new_indices = jnp.array([flat_index(w, c.length) for w in windows], jnp.int32)
             new_steps = jnp.array([w[1] for w in windows], jnp.uint32)

@@ -13,7 +13,7 @@ import pytest
 import equibuffer as eb
 
 from .helpers import copies
-from .mesh_kinds import add, batch, cluster_of, EXAMPLE
+from .mesh_kinds import add, batch, prioritised_kinds
 
 
 BATCH = 16
@@ -24,36 +24,7 @@ ROWS = 2
 LENGTH = 2048
 
 
-def _kinds() -> dict:
-    size = dict(add_batch_size=ROWS, max_length_time_axis=LENGTH)
-    ex = EXAMPLE
-    clusters = dict(add_batch_size=ROWS, num_clusters=3, cluster_capacity=LENGTH)
-    return {
-        "trajectory": lambda: eb.PrioritisedTrajectoryBuffer(ex, sequence_length=4, **size),
-        "transition": lambda: eb.PrioritisedTransitionBuffer(ex, **size),
-        "n_step": lambda: eb.PrioritisedTransitionBuffer(ex, n_step=3, discount=0.9, **size),
-        "n_step_episodes": lambda: eb.PrioritisedTransitionBuffer(
-            ex, n_step=3, discount=0.9, episode_end="terminated", **size
-        ),
-        "item": lambda: eb.PrioritisedItemBuffer(ex, **size),
-        "episodes": lambda: eb.PrioritisedEpisodeTrajectoryBuffer(
-            ex, sequence_length=3, episode_end="terminated", mode="pad", **size
-        ),
-        "clustered": lambda: eb.PrioritisedClusteredBuffer(ex, cluster_fn=cluster_of, **clusters),
-        "mixer": lambda: eb.Mixer(
-            (
-                eb.PrioritisedTrajectoryBuffer(ex, sequence_length=3, **size),
-                eb.PrioritisedEpisodeTrajectoryBuffer(
-                    ex, sequence_length=3, episode_end="terminated", **size
-                ),
-            ),
-            (0.5, 0.5),
-        ),
-        "rate_limited": lambda: eb.RateLimited(eb.PrioritisedItemBuffer(ex, **size), 4.0, 64.0),
-    }
-
-
-KINDS = _kinds()
+KINDS = prioritised_kinds(ROWS, LENGTH)
 
 
 class TrainState(eqx.Module):

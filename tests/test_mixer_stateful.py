@@ -231,12 +231,14 @@ class MixerMachine(CountedMachine):
                 start += n
                 continue
             windows = self._windows(i, part)
-            current = [w for w in sorted(set(windows)) if w in ref.priorities.priority]
-            values = data.draw(
-                st.lists(st.sampled_from(PRIORITIES), min_size=len(current), max_size=len(current))
+            values = data.draw(  # one per row: the last one given for a window wins
+                st.lists(st.sampled_from(PRIORITIES), min_size=len(windows), max_size=len(windows))
             )
-            value_of = dict(zip(current, values, strict=True))
-            mine = np.array([value_of.get(w, DROPPED) for w in windows], np.float32)
+            held = ref.priorities.priority
+            mine = np.array(
+                [v if w in held else DROPPED for w, v in zip(windows, values, strict=True)],
+                np.float32,
+            )
             priorities[start : start + n] = mine
             ref.priorities.set(windows, mine)
             start += n

@@ -1,3 +1,5 @@
+import unittest.mock
+
 import equinox as eqx
 import hypothesis.strategies as st
 import jax
@@ -6,9 +8,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from equibuffer._sumtree import SumTree
+from equibuffer import _sumtree
+from equibuffer._sumtree import _last_of_each, SumTree
 
-from .helpers import chi_square_pvalue
+from .helpers import chi_square_pvalue, scatters
 
 
 # (fanout, top): the default (a single dense level below 2048 leaves), deep binary and
@@ -16,20 +19,13 @@ from .helpers import chi_square_pvalue
 LAYOUTS = [(16, 2048), (2, 1), (3, 4), (16, 1), (4, 8)]
 
 
-def _candidates(indices, values) -> dict[int, set[float]]:
-    out: dict[int, set[float]] = {}
-    for i, v in zip(np.asarray(indices).tolist(), np.asarray(values).tolist(), strict=True):
-        out.setdefault(i, set()).add(np.float32(v).item())
-    return out
-
-
-def _adopt(tree: SumTree, ref: np.ndarray, indices, values) -> None:
-    """Apply a batch to `ref` as the tree did: each touched leaf holds one of the values given
-    for it (asserted), which `ref` adopts; untouched leaves are unchanged (checked later)."""
-    got = np.asarray(tree.values())
-    for i, options in _candidates(indices, values).items():
-        assert got[i].item() in options, f"leaf {i} = {got[i]} is none of {options}"
-        ref[i] = got[i]
+def _assign(ref: np.ndarray, indices, values, mask=None) -> None:
+    """NumPy's `ref[indices] = values` (masked), written as the loop it stands for: each
+    entry in order, so that the last value given for a leaf is the one it keeps."""
+    keep = np.ones(len(indices), bool) if mask is None else np.asarray(mask)
+    for i, v, k in zip(np.asarray(indices), _flushed(values), keep, strict=True):
+        if k:
+            ref[i] = v
 
 
 def _check_against(tree: SumTree, ref: np.ndarray) -> None:
@@ -90,7 +86,7 @@ def test_set_get_total_match_numpy(case):
     ref = np.zeros(capacity, np.float32)
     for indices, values in batches:
         tree = _set(tree, jnp.asarray(indices), jnp.asarray(values))
-        _adopt(tree, ref, indices, values)
+        _assign(ref, indices, values)
         _check_against(tree, ref)
         probe = np.arange(capacity, dtype=np.int32)
         np.testing.assert_array_equal(np.asarray(_get(tree, jnp.asarray(probe))), ref[probe])
@@ -104,7 +100,7 @@ def _built(case) -> tuple[SumTree, np.ndarray]:
     ref = np.zeros(capacity, np.float32)
     for indices, values in batches:
         tree = _set(tree, jnp.asarray(indices), jnp.asarray(values))
-        _adopt(tree, ref, indices, values)
+        _assign(ref, indices, values)
     return tree, ref
 
 
@@ -188,19 +184,103 @@ def test_subnormal_values_are_stored_as_zero(layout):
 
 
 @pytest.mark.parametrize("layout", [(2, 1), (16, 2048)])
-def test_duplicate_indices_one_of_them_wins(layout):
-    """Documented: one of the values given for a duplicated index is written (unspecified
-    which), and the nodes above agree with the leaf written."""
+def test_duplicate_indices_the_last_wins(layout):
+    """Documented: the last value given for a repeated index is written, as in NumPy, and
+    the nodes above agree with it."""
     indices = jnp.array([3, 5, 3, 3, 5, 9])
     values = jnp.array([1.0, 2.0, 7.0, 4.0, 0.0, 0.5])
     for set_ in (SumTree.set, eqx.filter_jit(SumTree.set)):
         tree = set_(SumTree(10, *layout), indices, values)
-        leaf3, leaf5, leaf9 = np.asarray(tree.get(jnp.array([3, 5, 9]))).tolist()
-        assert leaf3 in (1.0, 7.0, 4.0) and leaf5 in (2.0, 0.0) and leaf9 == 0.5
-        assert float(tree.total()) == leaf3 + leaf5 + leaf9
+        assert np.asarray(tree.get(jnp.array([3, 5, 9]))).tolist() == [4.0, 0.0, 0.5]
         ref = np.zeros(10, np.float32)
-        ref[[3, 5, 9]] = [leaf3, leaf5, leaf9]
+        ref[[3, 5, 9]] = [4.0, 0.0, 0.5]
         _check_against(tree, ref)
+
+
+@st.composite
+def _masked_writes(draw):
+    """A tree's capacity and layout, and batches of writes with few distinct indices (so
+    that most batches repeat some), each with a mask."""
+    capacity, layout, batches = draw(_updates())
+    masks = [
+        np.array(draw(st.lists(st.booleans(), min_size=BATCH, max_size=BATCH))) for _ in batches
+    ]
+    return capacity, layout, [(*b, m) for b, m in zip(batches, masks, strict=True)]
+
+
+_write = eqx.filter_jit(SumTree.write)
+
+
+@settings(max_examples=25, deadline=None)
+@given(_masked_writes())
+def test_write_with_repeated_indices_matches_numpy(case):
+    """`write` with and without a mask: the last entry not skipped wins for every leaf, with
+    the pairwise comparison of a small batch (jitted) and with the marks (eagerly, so that
+    no compiled program of the other way is reused)."""
+    capacity, layout, batches = case
+    for write, pairwise in ((_write, _sumtree._PAIRWISE), (SumTree.write, 0)):
+        tree = SumTree(capacity, *layout)
+        ref = np.zeros(capacity, np.float32)
+        with unittest.mock.patch.object(_sumtree, "_PAIRWISE", pairwise):
+            for indices, values, mask in batches:
+                tree = write(
+                    tree, jnp.asarray(indices), jnp.asarray(values), mask=jnp.asarray(mask)
+                )
+                _assign(ref, indices, values, mask)
+                _check_against(tree, ref)
+                tree = write(tree, jnp.asarray(indices[::-1]), jnp.asarray(values))  # no mask
+                _assign(ref, indices[::-1], values)
+                _check_against(tree, ref)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(st.integers(0, 5), min_size=1, max_size=12).flatmap(
+        lambda xs: st.tuples(
+            st.just(xs), st.lists(st.booleans(), min_size=len(xs), max_size=len(xs))
+        )
+    )
+)
+def test_the_scatter_after_the_deduplication_has_unique_indices(case):
+    """The mechanism, not only its result on this platform (the CPU's scatter keeps the last
+    of repeated indices anyway; an H200 kept the first): after `_last_of_each`, by pairwise
+    comparison or by marks, the entries still written have distinct leaves, and each is the
+    last entry not skipped of its leaf. So the value scatter, declared
+    `unique_indices=True`, leaves nothing to the platform."""
+    indices, mask = np.array(case[0], np.int32), np.array(case[1])
+    end = 100
+    tree = SumTree(6).set(jnp.arange(6), jnp.full(6, 0.5))
+    target = jnp.where(jnp.asarray(mask), jnp.asarray(indices), end)
+    last = {int(i): j for j, (i, m) in enumerate(zip(indices, mask, strict=True)) if m}
+    for pairwise in (64, 0):  # (the default for a small batch, and the marks)
+        with unittest.mock.patch.object(_sumtree, "_PAIRWISE", pairwise):
+            nodes, written = _last_of_each(tree.nodes, 6, jnp.asarray(indices), target, end)
+        written = np.asarray(written)
+        kept = written[written != end]
+        assert len(set(kept.tolist())) == len(kept)
+        assert {j for j, w in enumerate(written) if w != end} == set(last.values())
+        assert all(written[j] == i for i, j in last.items())
+        # Only the leaves about to be written differ from the tree's (they hold marks).
+        changed = np.flatnonzero(np.asarray(nodes) != np.asarray(tree.nodes))
+        assert set(changed.tolist()) <= set(last)
+
+
+@pytest.mark.parametrize("batch", [3, 100])
+def test_set_and_write_deduplicate_before_the_value_scatter(batch):
+    """In the traced program, `set` and `write` write the values by a scatter declared
+    `unique_indices=True`, after the marks' scatter-min for a large batch;
+    `write(..., unique_indices=True)` (the buffers' adds, whose indices are distinct by
+    construction) has no marks at any size."""
+    tree = SumTree(1000)
+    indices, values = jnp.arange(batch) % 2, jnp.ones(batch)
+    first = [("scatter-min", False), ("scatter", True)] if batch > 64 else [("scatter", True)]
+    for fn in (SumTree.set, SumTree.write):
+        eqns = scatters(jax.make_jaxpr(fn)(tree, indices, values).jaxpr)
+        names = [(e.primitive.name, e.params["unique_indices"]) for e in eqns]
+        assert names[: len(first)] == first, names
+    promised = jax.make_jaxpr(lambda t, i, v: t.write(i, v, unique_indices=True))
+    names = [e.primitive.name for e in scatters(promised(tree, indices, values).jaxpr)]
+    assert "scatter-min" not in names
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -251,7 +331,7 @@ def test_large_batch_takes_the_dense_rebuild_path():
     ref = np.zeros(50, np.float32)
     for fanout in (2, 4):
         tree = SumTree(50, fanout, 1).set(jnp.asarray(indices), jnp.asarray(values))
-        _adopt(tree, ref, indices, values)
+        _assign(ref, indices, values)
         _check_against(tree, ref)
 
 

@@ -184,11 +184,10 @@ class AbstractPrioritisedBuffer(AbstractBuffer, AbstractPrioritisedSource):
 
         The updated buffer. An update is **dropped** when its window is no longer what was
         sampled: its first step was overwritten since (its slot now holds another absolute
-        step) or it is no longer a valid window. When an index appears more than once, one
-        of its updates is applied, unspecified which (the same window sampled twice normally
-        gets the same priority; deduplicate first if not). The largest priority given for a
-        current window (duplicates included) raises the priority at which
-        new windows enter.
+        step) or it is no longer a valid window. When a window appears more than once, the
+        last of its updates that is not dropped is applied, as in NumPy's `a[i] = p`, on
+        every platform. The largest priority given for a current window (repeats included)
+        raises the priority at which new windows enter.
 
         !!! example
 
@@ -203,6 +202,10 @@ class AbstractPrioritisedBuffer(AbstractBuffer, AbstractPrioritisedSource):
             overwritten = buffer.add({"x": jnp.zeros((1, 8))})  # every sampled item replaced
             stale = overwritten.set_priorities(sample, jnp.full(4, 5.0))
             assert float(stale.max_priority) == 1.0  # the updates were dropped
+            # Item 2 (slot 2, step 2) three times: the last priority given wins.
+            slots, steps = jnp.array([2, 2, 2]), jnp.array([2, 2, 2], jnp.uint32)
+            again = buffer.set_priorities(slots, jnp.array([4.0, 9.0, 3.0]), steps=steps)
+            assert jnp.allclose(again.tree.get(jnp.array([2])), 3.0**again.alpha)
             ```
         """
         where = f"{type(self).__name__}.set_priorities()"

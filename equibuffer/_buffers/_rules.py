@@ -529,8 +529,8 @@ class Episodic(AbstractUniformRule):
         self, storage: RingStorage, episodes: EpisodeEnds, offsets: Int[Array, " m"], window: Window
     ) -> "Episodic":
         valid, slots = episodes.validity(storage, offsets, window)
-        indices = flat_indices(storage.rows, storage.length, slots)
-        tree = self.tree.write(indices, valid.reshape(-1).astype(jnp.float32))
+        indices = flat_indices(storage.rows, storage.length, slots)  # (each slot named once)
+        tree = self.tree.write(indices, valid.reshape(-1).astype(jnp.float32), unique_indices=True)
         return Episodic(episodes=episodes, tree=tree)
 
     def added(self, storage: RingStorage, appended: Appended, window: Window) -> "Episodic":
@@ -622,8 +622,8 @@ class Prioritised(AbstractPrioritisedRule):
             start = jax.lax.rem(storage.head - m + length, jnp.int32(length))  # (non-negative)
             tree = self.tree.write_block(start, values)
         else:
-            slots = (storage.head - m + jnp.arange(m, dtype=jnp.int32)) % length
-            tree = self.tree.write(flat_indices(rows, length, slots), values)
+            slots = (storage.head - m + jnp.arange(m, dtype=jnp.int32)) % length  # (m <= length)
+            tree = self.tree.write(flat_indices(rows, length, slots), values, unique_indices=True)
         return eqx.tree_at(lambda r: r.tree, self, tree)
 
     def updated(
@@ -707,13 +707,13 @@ class PrioritisedEpisodic(AbstractPrioritisedRule):
         window was valid before and its slot was not `overwritten`, else `max_priority **
         alpha`."""
         valid, slots = episodes.validity(storage, offsets, window)
-        indices = flat_indices(storage.rows, storage.length, slots)
+        indices = flat_indices(storage.rows, storage.length, slots)  # (each slot named once)
         before = self.valid[:, slots]
         old = self.tree.read(indices).reshape(valid.shape)
         fresh = self.max_priority**self.alpha
         kept = before & ~overwritten[None, :]
         leaves = jnp.where(valid, jnp.where(kept, old, fresh), 0.0)
-        tree = self.tree.write(indices, leaves.reshape(-1))
+        tree = self.tree.write(indices, leaves.reshape(-1), unique_indices=True)
         # The flags written only after `before` is read: else XLA copies them to keep
         # `before`, which nothing makes it read first (see `read_once`).
         before, valid = read_once(before, valid)

@@ -204,30 +204,31 @@ def storage_of(like: Any, where: str) -> RingStorage:
         return storage
     name = type(like).__name__
     if isinstance(like, RateLimited):
-        why = (
-            "a RateLimited is not archived itself: give the archive the buffer it wraps, "
-            "`limited.buffer` (to resume: `limited = eqx.tree_at(lambda l: l.buffer, limited, "
-            "archive.restore(limited.buffer))`; the limiter's credit is not archived, so the "
-            "limiter keeps its own)"
+        raise TypeError(
+            f"{where}: a RateLimited is not archived itself: give the archive the buffer it "
+            "wraps, `limited.buffer` (to resume: `limited = eqx.tree_at(lambda l: l.buffer, "
+            "limited, archive.restore(limited.buffer))`; the limiter's credit is not "
+            "archived, so the limiter keeps its own)."
         )
-    elif isinstance(like, Mixer):
-        why = (
-            "a Mixer draws from several buffers, each with its own steps and counters: give "
-            "each of `mixer.buffers` its own archive and restore each into its place, "
-            "`mixer = eqx.tree_at(lambda m: m.buffers[i], mixer, archive_i.restore("
-            "mixer.buffers[i]))`"
+    if isinstance(like, Mixer):
+        raise TypeError(
+            f"{where}: a Mixer draws from several buffers, each with its own steps and "
+            "counters: give each of `mixer.buffers` its own archive and restore each into its "
+            "place, `mixer = eqx.tree_at(lambda m: m.buffers[i], mixer, archive_i.restore("
+            "mixer.buffers[i]))`."
         )
-    elif isinstance(like, AbstractClusteredBuffer):
-        why = (
-            f"a {name} routes every item to one cluster's own ring, so its rows share no time "
-            "axis, which is what an archive stores. Archive the items as they are added (an "
-            "eb.ItemBuffer of the same example and add_batch_size, written alongside) and "
-            "rebuild the clustered buffer by adding them back, `buffer = buffer.add(items)` "
-            "for each block of `archive.iter()`: `add` rebuilds its clusters and their trees"
+    if isinstance(like, AbstractClusteredBuffer):
+        raise TypeError(
+            f"{where}: a {name} routes every item to one cluster's own ring, so its rows share "
+            "no time axis, which is what an archive stores. Archive the items as they are "
+            "added (an eb.ItemBuffer of the same example and add_batch_size, written "
+            "alongside) and rebuild the clustered buffer by adding them back, `buffer = "
+            "buffer.add(items)` for each block of `archive.iter()`: `add` rebuilds its "
+            "clusters and their trees."
         )
-    else:
-        why = f"expected a buffer (e.g. eb.TrajectoryBuffer) or an eb.RingStorage, got {name}"
-    raise TypeError(f"{where}: {why}.")
+    raise TypeError(
+        f"{where}: expected a buffer (e.g. eb.TrajectoryBuffer) or an eb.RingStorage, got {name}."
+    )
 
 
 # ------------------------------------------------------------------------------- layout

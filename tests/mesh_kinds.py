@@ -34,12 +34,16 @@ def cluster_of(item: dict) -> jax.Array:
     return (item["obs"][0] % 3).astype(jnp.int32)
 
 
+def _sizes(rows: int, length: int) -> tuple[dict, dict]:
+    """The size arguments of `rows` rows of `length` steps, and of 3 clusters of `length`."""
+    size = dict(add_batch_size=rows, max_length_time_axis=length)
+    return size, dict(add_batch_size=rows, num_clusters=3, cluster_capacity=length)
+
+
 def kinds(rows: int, length: int) -> dict:
     """Builders of every kind of buffer, `rows` rows of `length` steps (clusters of `length`
     slots)."""
-    size = dict(add_batch_size=rows, max_length_time_axis=length)
-    ex = EXAMPLE
-    clusters = dict(add_batch_size=rows, num_clusters=3, cluster_capacity=length)
+    (size, clusters), ex = _sizes(rows, length), EXAMPLE
     return {
         "trajectory": lambda: eb.TrajectoryBuffer(ex, sequence_length=4, **size),
         "transition": lambda: eb.TransitionBuffer(ex, **size),
@@ -74,9 +78,7 @@ def kinds(rows: int, length: int) -> dict:
 def prioritised_kinds(rows: int, length: int) -> dict:
     """Builders of every kind of prioritised buffer (and a mix and a rate limiter of them),
     `rows` rows of `length` steps (clusters of `length` slots)."""
-    size = dict(add_batch_size=rows, max_length_time_axis=length)
-    ex = EXAMPLE
-    clusters = dict(add_batch_size=rows, num_clusters=3, cluster_capacity=length)
+    (size, clusters), ex = _sizes(rows, length), EXAMPLE
     return {
         "trajectory": lambda: eb.PrioritisedTrajectoryBuffer(ex, sequence_length=4, **size),
         "transition": lambda: eb.PrioritisedTransitionBuffer(ex, **size),

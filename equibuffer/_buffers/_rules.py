@@ -637,7 +637,8 @@ class Prioritised(AbstractPrioritisedRule):
         fresh = jnp.where(valid, self.max_priority**self.alpha, 0.0)
         values = jnp.broadcast_to(fresh, (storage.rows, storage.length)).reshape(-1)
         indices = flat_indices(storage.rows, storage.length, offset_slots(storage, offsets))
-        return eqx.tree_at(lambda r: r.tree, self, self.tree.write(indices, values))
+        tree = self.tree.write(indices, values, unique_indices=True)  # (every slot once)
+        return eqx.tree_at(lambda r: r.tree, self, tree)
 
     def mask(self, storage: RingStorage, indices: Indices, window: Window) -> None:
         return None

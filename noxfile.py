@@ -126,7 +126,7 @@ def bench(session: nox.Session) -> None:
     """Benchmarks side by side with the peers (ratios, never pass/fail). `-- --quick` for small.
 
     `nox -s bench -- --quick` runs every script at small sizes; `nox -s bench -- core` (or
-    `calls`, `prioritised`, `archive`, `issue6`, `ring_write`, `devices`, `writers`,
+    `calls`, `prioritised`, `step`, `archive`, `issue6`, `ring_write`, `devices`, `writers`,
     `programs`) runs one, with any further arguments passed to it. (`bench_gpu` is not among
     them: it is for a lent GPU, through `benchmarks/gpu.sh`.)
     """
@@ -135,6 +135,7 @@ def bench(session: nox.Session) -> None:
         "core",
         "calls",
         "prioritised",
+        "step",
         "archive",
         "issue6",
         "ring_write",

@@ -32,7 +32,6 @@ import gc
 from collections.abc import Callable
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,46 +40,12 @@ from equibuffer._buffers._prioritised import PrioritisedItemBuffer, PrioritisedT
 from equibuffer._buffers._transition import TransitionBuffer
 from equibuffer._sumtree import _layout, SumTree
 
-from ._timing import best_time, fmt_time, materialise, paired_times, table
+from ._timing import best_time, fmt_time, Held, materialise, paired_times, table
 
 
 OBS = (32, 32, 3)
 BATCH = 256
 FILL_CHUNK = 2000
-
-
-class _Held:
-    """The array leaves of a state (a module or any pytree: both libraries go through this
-    one harness), split from its static part once and kept across calls, so that a timed
-    call is one `jax.jit` dispatch of the work (as for Flashbax's plain-pytree state) and not
-    a partition/combine in Python each time."""
-
-    def __init__(self, state: Any):
-        self.arrays, self.static = eqx.partition(state, eqx.is_array)
-
-    def state(self) -> Any:
-        return eqx.combine(self.arrays, self.static)
-
-    def update(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """A call running `state = fn(state, *args)` jitted, the arrays donated (in place)."""
-        static = self.static
-
-        def run(arrays, *args):
-            return eqx.partition(fn(eqx.combine(arrays, static), *args), eqx.is_array)[0]
-
-        jitted = jax.jit(run, donate_argnums=0)
-
-        def call(*args: Any) -> Any:
-            self.arrays = jitted(self.arrays, *args)
-            return self.arrays
-
-        return call
-
-    def read(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """A call returning `fn(state, *args)` jitted (the state is not changed)."""
-        static = self.static
-        jitted = jax.jit(lambda arrays, *args: fn(eqx.combine(arrays, static), *args))
-        return lambda *args: jitted(self.arrays, *args)
 
 
 # ------------------------------------------------------------------------ 1. layouts
@@ -116,7 +81,7 @@ def bench_layouts(capacities: list[int], repeat: int, inner: int = 50) -> list[d
                 return jax.lax.scan(body, jnp.int32(0), jax.random.split(key, inner))[0]
 
             key = jax.random.key(1)
-            held = _Held(tree)
+            held = Held(tree)
             set_, sample = held.update(sets), held.read(samples)
             t_set = best_time(lambda: set_(key), repeat=repeat) / inner  # noqa: B023
             t_sample = best_time(lambda: sample(key), repeat=repeat) / inner  # noqa: B023
@@ -145,7 +110,7 @@ def bench_layouts(capacities: list[int], repeat: int, inner: int = 50) -> list[d
 
 def _peer(name: str, capacity: int) -> dict[str, Any]:
     """How to build, fill, add to, sample and re-prioritise one library's buffer, as
-    functions of its state (all timed through `_Held`, so in the very same way)."""
+    functions of its state (all timed through `Held`, so in the very same way)."""
     example = {"obs": jnp.zeros(OBS, jnp.float32)}
     if name.startswith("equibuffer"):
         prioritised = name.endswith("prioritised")
@@ -193,10 +158,10 @@ LIBRARIES = ("equibuffer", "flashbax")
 KINDS = ("uniform", "prioritised")
 
 
-def _filled(name: str, capacity: int) -> tuple[dict[str, Any], _Held]:
+def _filled(name: str, capacity: int) -> tuple[dict[str, Any], Held]:
     """One library's buffer (`name`), filled with `capacity` steps."""
     peer = _peer(name, capacity)
-    held = _Held(peer["make"]())
+    held = Held(peer["make"]())
     fill = held.update(peer["fill"])
     chunk = {"obs": jnp.ones((1, FILL_CHUNK, *OBS), jnp.float32)}
     for _ in range(-(-capacity // FILL_CHUNK)):
@@ -204,7 +169,7 @@ def _filled(name: str, capacity: int) -> tuple[dict[str, Any], _Held]:
     return peer, held
 
 
-def _free(*helds: _Held) -> None:
+def _free(*helds: Held) -> None:
     for held in helds:
         held.arrays = None
     gc.collect()
@@ -331,13 +296,13 @@ def bench_scaling(capacities: list[int], repeat: int, rounds: int) -> None:
 
     for _ in range(rounds):
         for capacity in capacities:
-            held = _Held(SumTree(capacity).set(jnp.arange(capacity), jnp.ones(capacity)))
+            held = Held(SumTree(capacity).set(jnp.arange(capacity), jnp.ones(capacity)))
             tree_sample = held.read(lambda t, k: t.sample(k, BATCH))
             record("tree sample", capacity, lambda: tree_sample(key))  # noqa: B023
             tree_set = held.update(lambda t, i, v: t.set(i, v))
             record("tree set", capacity, lambda: tree_set(idx, val))  # noqa: B023
             example = {"x": jnp.zeros(4)}
-            held = _Held(PrioritisedItemBuffer(example, add_batch_size=1, capacity=capacity))
+            held = Held(PrioritisedItemBuffer(example, add_batch_size=1, capacity=capacity))
             fill = held.update(lambda b, x: b.add(x))
             chunk = min(capacity, 10**6)
             for _ in range(-(-capacity // chunk)):

@@ -255,10 +255,11 @@ class SumTree(eqx.Module):
             platform's choice.
 
         Where an index appears several times among the entries not skipped, the last of them
-        wins, as in NumPy, on every platform: each entry first writes a mark of its position
-        by a scatter-min (whose result does not depend on the order), and only the entry
-        whose mark stays, the last, writes its value, by a scatter whose indices are unique.
-        A skipped entry never overrides one before it.
+        wins, as in NumPy, on every platform: the entries a later one overrides are found
+        first (by comparing every pair up to 64 entries; above, each entry writes a mark of
+        its position by a scatter-min, whose result does not depend on the order, and the
+        entry whose mark stays is the last), and only the others write their values, by a
+        scatter whose indices are unique. A skipped entry never overrides one before it.
 
         !!! example
 

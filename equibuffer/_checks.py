@@ -10,6 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# XLA before jax 0.11 (jax 0.10 is the last release for Python 3.11) removes optimization
+# barriers before it fuses, and copies a donated array around a `cond` whose branches update
+# it: the few places that keep updates in place differently there test this.
+BARRIER_EXPANDED = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11)
+
+
 def keystr(path: Sequence[Any]) -> str:
     """`('obs',)` -> `['obs']`; the empty path (a single-leaf tree) -> `<root>`."""
     return jax.tree_util.keystr(tuple(path)) or "<root>"

@@ -8,7 +8,14 @@ import jax.numpy as jnp
 from equinox.internal import unvmap_all
 from jaxtyping import Array, Int, PyTree, Shaped, UInt32
 
-from ._checks import as_example_leaf, check_dtype, check_positive_int, check_structure, keystr
+from ._checks import (
+    as_example_leaf,
+    BARRIER_EXPANDED,
+    check_dtype,
+    check_positive_int,
+    check_structure,
+    keystr,
+)
 from ._custom_types import Count, ExampleTree, ExperienceBatch, IntScalar, StepCount
 from ._errors import error_if, raise_recorded
 
@@ -319,7 +326,10 @@ class RingStorage(eqx.Module):
             # On a GPU a cond costs a copy of its predicate to the host and a wait (~12 us on
             # an H100, more than the scatter itself): the scatter alone is faster there.
             # Chosen when the program is lowered, so neither platform runs a branch.
-            data = jax.lax.platform_dependent(self.data, batch, cpu=on_cpu, default=wrapping)
+            # (XLA before jax 0.11 copies the whole storage around the cond's branches: there
+            # the scatter, in place, everywhere.)
+            cpu = wrapping if BARRIER_EXPANDED else on_cpu
+            data = jax.lax.platform_dependent(self.data, batch, cpu=cpu, default=wrapping)
         head = (self.head + t % length) % length
         fill = jnp.minimum(self.fill + keep, length)
         lo = self.count_lo + jnp.uint32(t % _TWO_32)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
-from ._checks import check_positive_int
+from ._checks import BARRIER_EXPANDED, check_positive_int
 from ._errors import branched_error_if, error_if
 
 
@@ -631,7 +631,27 @@ def read_once(*arrays: Any) -> Any:
     through them, on every read, also those that only the importance weights use (say the
     total in `leaf / total`, fused into a weighted loss). An update that reads an array it
     then writes passes the read with the values written."""
-    return jax.lax.optimization_barrier(arrays)
+    arrays = jax.lax.optimization_barrier(arrays)
+    # Without the barrier (`BARRIER_EXPANDED`), XLA copies the producers of the drawn values
+    # (the whole tree search) into every consumer: a weighted loss would read the tree
+    # after the write. One sort keeps them together instead.
+    return _sorted_together(arrays) if BARRIER_EXPANDED else arrays
+
+
+def _sorted_together(arrays: Any) -> Any:
+    """`arrays`, the same values, out of one sort on an already-ordered key: every output
+    depends on every input (as through the barrier), and XLA never fuses a sort into its
+    consumers, so what is computed from an output reads the sort's result."""
+    leaves, treedef = jax.tree.flatten(arrays)
+    leaves = [jnp.asarray(x) for x in leaves]
+    # One length for all, at least 2 (XLA drops a sort of one element).
+    length = max(2, *(x.size for x in leaves))
+    key = jnp.arange(length, dtype=jnp.int32)
+    operands = [jnp.resize(x.reshape(-1), (length,)) for x in leaves]
+    out = jax.lax.sort((key, *operands), num_keys=1)[1:]
+    return treedef.unflatten(
+        [o[: x.size].reshape(x.shape) for o, x in zip(out, leaves, strict=True)]
+    )
 
 
 def _flush_subnormal(values: Float[Array, " batch"]) -> Float[Array, " batch"]:

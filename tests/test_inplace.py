@@ -13,7 +13,7 @@ import pytest
 import equibuffer as eb
 
 from .helpers import copies
-from .mesh_kinds import add, batch, prioritised_kinds
+from .mesh_kinds import add, batch, kinds, prioritised_kinds
 
 
 BATCH = 16
@@ -90,25 +90,9 @@ def _state(kind: str, row_blocks: int = 1) -> TrainState:
     return TrainState(jnp.zeros(features), buffer)
 
 
-# jax 0.10 (the last release for Python 3.11): its XLA fuses the tree's search into later
-# consumers despite the barrier and copies the sum tree (not the storage) around the write,
-# with the check's `cond` gone (measured: 2 copies of the tree per step, also with
-# `EQX_ON_ERROR=off` before issue 25). Pinned as it is, so that a change either way shows
-# here; docs/prioritised.md says so. jax >= 0.11 updates everything in place.
-OLD_XLA = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11)
-
-
-def _tree_sizes(state: TrainState) -> set[int]:
-    trees = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, eb.SumTree))]
-    return {t.nodes.size for t in trees if isinstance(t, eb.SumTree)}
-
-
 def _assert_in_place(step, state: TrainState) -> None:
     sizes = copies(step, state, jax.random.key(0))
     big = [n for n in sizes if n >= LENGTH]
-    if OLD_XLA:
-        assert set(big) <= _tree_sizes(state), f"copies of {big} elements beyond the sum trees"
-        return
     assert not big, f"the step copies arrays of {big} elements (the buffer's are >= {LENGTH})"
 
 
@@ -123,13 +107,10 @@ def test_prioritised_step_weighted_by_probabilities_updates_in_place(kind):
     _assert_in_place(_train_step("probabilities"), _state(kind))
 
 
-@pytest.mark.skipif(
-    OLD_XLA, reason="jax 0.10's XLA copies the storage around an add in this step (open)"
-)
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_prioritised_step_with_an_add_updates_in_place(kind):
     """An add first: a prioritised episode rule reads the validity flags it then writes (it
-    used to copy them)."""
+    used to copy them); with jax 0.10 the ring's write of a block used to copy the storage."""
     _assert_in_place(_train_step("weights", adds=True), _state(kind))
 
 
@@ -150,3 +131,14 @@ def test_a_weighted_loss_costs_no_copy_against_an_unweighted_one():
     state = _state("item")
     assert max(copies(copied, state, jax.random.key(0))) >= LENGTH
     _assert_in_place(_train_step("none"), state)
+
+
+@pytest.mark.parametrize("kind", sorted(kinds(ROWS, LENGTH)))
+def test_an_add_of_a_block_updates_in_place(kind):
+    """Every kind's add of several steps per row, donated: no copy of the storage (on the CPU
+    a block that fits is one `dynamic_update_slice`, chosen by a `cond` with jax >= 0.11,
+    whose XLA keeps the branches in place; with jax 0.10 the scatter alone)."""
+    buffer = kinds(ROWS, LENGTH)[kind]()
+    sizes = copies(lambda b, new: add(b, new), buffer, batch(0, ROWS))
+    big = [n for n in sizes if n >= LENGTH]
+    assert not big, f"the add copies arrays of {big} elements (the buffer's are >= {LENGTH})"

@@ -360,7 +360,10 @@ class UniformInCluster(AbstractClusterRule):
         return cluster, slot, number
 
 
-class Drawn(NamedTuple):
+class ClusterDrawn(NamedTuple):
+    """What a cluster rule's draw gives the buffer: the cluster and slot of each item, its
+    number (absolute count), and its probability and importance weight."""
+
     cluster: Int[Array, " batch"]
     slot: Int[Array, " batch"]
     number: Steps
@@ -400,7 +403,7 @@ class PrioritisedInCluster(AbstractClusterRule):
         beta: Float[Array, ""],
         where: str,
         blocks: int = 1,
-    ) -> Drawn:
+    ) -> ClusterDrawn:
         """A cluster among those holding an item of positive priority, by `shares`; then an
         item of it in proportion to its leaf. One check for the three ways to fail. With
         `blocks > 1` the `d`-th `batch_size / blocks` items are drawn so inside block `d` of
@@ -442,7 +445,7 @@ class PrioritisedInCluster(AbstractClusterRule):
         scaled = storage.fill[cluster].astype(jnp.float32) * within
         weights = (scaled / jnp.min(scaled)) ** -beta
         _, number = storage.numbers(cluster, slot)
-        return Drawn(cluster, slot, number, probabilities, weights)
+        return ClusterDrawn(cluster, slot, number, probabilities, weights)
 
     def _draw_blocks(
         self,
@@ -453,7 +456,7 @@ class PrioritisedInCluster(AbstractClusterRule):
         beta: Float[Array, ""],
         where: str,
         blocks: int,
-    ) -> Drawn:
+    ) -> ClusterDrawn:
         # (blocks, clusters): each cluster's items and total `p ** alpha` in each block.
         items = storage.held_in_blocks(blocks)
         totals = jnp.stack([tree.block_totals(blocks) for tree in self.trees], axis=1)
@@ -494,7 +497,7 @@ class PrioritisedInCluster(AbstractClusterRule):
             x.reshape(-1) for x in (cluster, slot, probabilities, weights)
         )
         _, number = storage.numbers(cluster, slot)
-        return Drawn(cluster, slot, number, probabilities, weights)
+        return ClusterDrawn(cluster, slot, number, probabilities, weights)
 
     def with_priorities(
         self,

@@ -74,8 +74,8 @@ class RateLimited(eqx.Module):
     `-tolerance <= credit <= tolerance`: a sample leaves `credit >= -tolerance` and a counted
     add `credit <= tolerance`. The one exception is an add made while the buffer could not be
     sampled (the add that ends the warm-up, or one made while a buffer's `can_sample()` is
-    false again, as with `period > max_length - sequence_length + 1`), which may leave up to
-    `tolerance + spi * add_batch_size * T`. So after the warm-up `windows sampled =
+    false again, as with `period > max_length_time_axis - sequence_length + 1`), which may
+    leave up to `tolerance + spi * add_batch_size * T`. So after the warm-up `windows sampled =
     samples_per_insert * steps inserted` up to `tolerance` (plus that one add): the achieved
     ratio tends to `samples_per_insert`. (For a [`equibuffer.TrajectoryBuffer`][] each
     window holds `sequence_length` steps, so each step is seen in about `samples_per_insert *

@@ -4,7 +4,7 @@ cross an episode end, or are cut at it and padded), drawn exactly uniformly or b
 The rules (`Episodic`, `PrioritisedEpisodic`) keep a `SumTree` with one leaf per window start
 in step at `add`: only the windows that start at one of the steps just written, or at one of
 the `sequence_length - 1` steps before them, can change status, so an `add` of `T` steps
-touches `add_batch_size * min(T + sequence_length - 1, max_length)` leaves and reads
+touches `add_batch_size * min(T + sequence_length - 1, max_length_time_axis)` leaves and reads
 `sequence_length - 1` episode flags for each. Sampling is a search in the tree: no rejection
 loop.
 """

@@ -38,7 +38,7 @@ class AbstractPrioritisedBuffer(AbstractBuffer, AbstractPrioritisedSource):
 
     It is a [`equibuffer.RingStorage`][] plus the valid-window rule of the uniform buffers,
     plus a [`equibuffer.SumTree`][] with one leaf per possible window start (leaf
-    `row * max_length + slot`, the same flat index as `Sample.indices`). A leaf holds
+    `row * max_length_time_axis + slot`, the same flat index as `Sample.indices`). A leaf holds
     `priority ** alpha` while its window is valid and 0 otherwise, so windows that were
     overwritten or that would span the write head are never drawn.
 

@@ -269,7 +269,7 @@ class Queue(AbstractRingHolder):
         `(queue, sample)`: the queue without those steps, and a [`equibuffer.Sample`][]
         whose `experience` leaves are `(add_batch_size, sequence_length, *leaf)`, row `i` of
         the batch being row `i` of the queue, steps in time order. `indices` are the flat
-        indices `row * max_length + slot` of each row's first step, `steps` their absolute
+        indices `row * max_length_time_axis + slot` of each row's first step, `steps` their absolute
         step (mod 2**32). Fails (inside jit: recorded, raised by [`equibuffer.check`][])
         when `can_sample()` is false: nothing is invented.
 

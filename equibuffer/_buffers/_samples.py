@@ -37,7 +37,7 @@ class Sample(eqx.Module):
     - `experience`: the sampled data. Leaves `(batch, sequence_length, *leaf)` for a
         `TrajectoryBuffer`, a [`equibuffer.Transition`][] of `(batch, *leaf)` leaves for a
         `TransitionBuffer`, `(batch, *leaf)` for an `ItemBuffer`.
-    - `indices`: `(batch,)` int32, the flat index `row * max_length + slot` of the first
+    - `indices`: `(batch,)` int32, the flat index `row * max_length_time_axis + slot` of the first
         step of each sampled window: what `set_priorities` takes in the prioritised buffers.
     - `steps`: `(batch,)` uint32, the absolute step (mod 2**32) at which each window starts,
         which tells whether its slot has been overwritten since.

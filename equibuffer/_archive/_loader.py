@@ -176,7 +176,7 @@ class ArchiveLoader:
                                   epochs=1) as loader:
                 for batch in loader:
                     t = batch.experience["t"]          # (16, 4) on the device
-                    assert (t == batch.starts[:, None] + jnp.arange(4))[batch.mask].all()
+                    assert (t == batch.starts[:, None] + jnp.arange(4)[None])[batch.mask].all()
                     seen += [(int(r), int(s)) for r, s, m in
                              zip(batch.rows, batch.starts, batch.mask) if m]
         assert sorted(seen) == [(r, s) for r in range(2) for s in range(61)]  # once each

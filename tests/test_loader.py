@@ -310,3 +310,57 @@ def test_error_in_the_reader_reaches_the_learner(tmp_path):
     with pytest.raises(ValueError, match="lies inside one episode"):
         run(loader)
     assert loader_threads() == []
+
+
+LOADER = """
+import json, sys
+import jax, numpy as np
+import equibuffer as eb
+
+def high_water_mib():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) >> 10 for l in f if l.startswith("VmHWM:"))
+
+archive = eb.Archive(sys.argv[1], mode="r", progress=False)
+base = high_water_mib()
+loader = eb.ArchiveLoader(archive, jax.random.key(0), 256, sequence_length=8, pool_blocks=2,
+                          epochs=1)
+seen = 0
+with loader:
+    for batch in loader:
+        m = np.asarray(batch.mask)
+        t = np.asarray(batch.experience["reward"])[m]
+        assert (t == np.asarray(batch.starts)[m][:, None] + np.arange(8)).all()
+        seen += int(m.sum())
+print(json.dumps({"seen": seen, "windows": loader.num_windows, "base_mib": base,
+                  "peak_mib": high_water_mib(), "bound_mib": loader.resident_bytes >> 20}))
+"""
+
+
+@pytest.mark.slow  # starts processes: `nox -s slow`, and CI
+def test_memory_bound_on_an_archive_larger_than_the_limit(tmp_path):
+    """A process limited to 512 MiB delivers one epoch (every window once, values checked) of
+    a 1 GiB archive, under the limit."""
+    import json
+    import subprocess
+    import sys
+
+    from benchmarks._memory import MemoryLimit
+
+    from .test_archive_memory import WRITE
+
+    path = str(tmp_path / "big.zarr")
+    out = subprocess.run([sys.executable, "-c", WRITE, path, "1024"], capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    with MemoryLimit(512 << 20, MemoryLimit.available()[0]) as limit:
+        out = subprocess.run(limit.command([sys.executable, "-c", LOADER, path]),
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert out.returncode == 0, (limit, out.stderr[-3000:])
+        assert limit.stats().get("oom_kills", 0) == 0
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["seen"] == got["windows"]
+    assert got["peak_mib"] < 512
+    # The growth includes the first device transfers and the runtime's warm-up after `base`
+    # (measured: 276 MiB for a bound of 120 MiB); it does not grow with the archive.
+    assert got["peak_mib"] - got["base_mib"] < got["bound_mib"] + 256, got

@@ -2,10 +2,13 @@
 
 from ._archive import (
     Archive as Archive,
+    ArchiveLoader as ArchiveLoader,
     ArchiveLockedError as ArchiveLockedError,
     ArchiveSample as ArchiveSample,
     ArchiveSet as ArchiveSet,
     as_jax as as_jax,
+    LoaderBatch as LoaderBatch,
+    LoaderPosition as LoaderPosition,
     StepsLostError as StepsLostError,
     StepsLostWarning as StepsLostWarning,
 )

@@ -212,10 +212,17 @@ class Reader:
     # ------------------------------------------------------------------------- reading
 
     def read_raw(
-        self, start: int, stop: int, rows: Any, outs: list[np.ndarray] | None = None
+        self,
+        start: int,
+        stop: int,
+        rows: Any,
+        outs: list[np.ndarray] | None = None,
+        whole: bool = True,
     ) -> list[np.ndarray]:
         """Steps `[start, stop)` of `rows`, per leaf `(rows, stop - start, *leaf)` in the
-        stored dtype, written into `outs` if given (C-contiguous arrays of that shape)."""
+        stored dtype, written into `outs` if given (C-contiguous arrays of that shape).
+        `whole=False` reads only the chunks of a sharded archive that the steps touch (a
+        few steps of every row: the loader's halo), never whole shards."""
         row_ids = self.row_ids(rows)
         if outs is None:
             outs = [
@@ -227,7 +234,7 @@ class Reader:
         elif self.layout.shard_steps is None:
             self._read_chunks(self.io, start, stop, row_ids, outs)
         else:
-            self._read_shards(self.io, start, stop, row_ids, outs)
+            self._read_shards(self.io, start, stop, row_ids, outs, whole)
         return outs
 
     def _read_zarr(self, start: int, stop: int, rows: Any, outs: list[np.ndarray]) -> None:
@@ -262,17 +269,24 @@ class Reader:
             pass
 
     def _read_shards(
-        self, io: list[LeafIO], start: int, stop: int, row_ids: list[int], outs: list
+        self,
+        io: list[LeafIO],
+        start: int,
+        stop: int,
+        row_ids: list[int],
+        outs: list,
+        whole: bool = True,
     ) -> None:
         """Sharded: one task per (leaf, shard, row) reads that row's chunks of the shard
-        (the whole shard once, when all rows are read) and decodes them into place."""
+        (the whole shard once, when all rows are read and `whole`) and decodes them into
+        place."""
         shards_of: list[Any] = io
         layout = self.layout
         assert layout.shard_steps is not None
         cs, ss = layout.chunk_steps, layout.shard_steps
         per = ss // cs
         n = self.commit.length
-        whole = len(row_ids) == layout.rows
+        whole = whole and len(row_ids) == layout.rows
         lock = threading.Lock()
         last = -(-stop // ss) - 1
         # Whole shards are fetched on their own threads, `READ_AHEAD` shards ahead of the

@@ -12,7 +12,7 @@ from .._custom_types import BoolScalar, ExperienceBatch, IntScalar, StepCount
 from .._errors import branched_error_if, error_if, record, recorded
 from .._protocol import AbstractReplayBuffer
 from .._ring import check_like, RingStorage
-from ._epochs import Epoch, plan_epoch, still_held
+from ._epochs import Epoch, epoch_batch_windows, plan_epoch, still_held
 from ._rules import (
     AbstractPrioritisedRule,
     AbstractRule,
@@ -498,7 +498,7 @@ class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
                 "plan the epoch with this buffer's `epoch`."
             )
         record(epoch.error)  # a failure recorded while planning goes on to every batch
-        indices, steps, valid = epoch.batch(i, where)
+        indices, steps, valid = epoch_batch_windows(epoch, i, where)
         indices = error_if(
             indices,
             jnp.any(valid & ~still_held(self.storage, indices, steps)),

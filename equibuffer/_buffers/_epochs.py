@@ -97,24 +97,26 @@ class Epoch(eqx.Module):
         """The plan with failure `word` recorded, unless one is recorded already."""
         return eqx.tree_at(lambda e: e.error, self, jnp.where(self.error != 0, self.error, word))
 
-    def batch(
-        self, i: Int[ArrayLike, ""], where: str
-    ) -> tuple[Indices, Steps, Bool[Array, " batch"]]:
-        """The flat indices, start steps and mask of batch `i` (a 0-d integer, traced or
-        not): positions `i * batch_size + k` of the order, wrapped to the start of the order
-        past `count` (masked out there), and all masked out for `i` outside
-        `[0, num_batches())`."""
-        i = jnp.asarray(i)
-        if i.shape != () or not jnp.issubdtype(i.dtype, jnp.integer):
-            raise TypeError(
-                f"{where}: the batch number `i` must be a 0-d integer (a Python int or the "
-                f"loop counter), got shape {i.shape} and dtype {i.dtype}."
-            )
-        j = i.astype(jnp.int32) * self.batch_size + jnp.arange(self.batch_size, dtype=jnp.int32)
-        mask = (j >= 0) & (j < self.count)
-        position = j % jnp.maximum(self.count, 1)
-        take = lambda x: x.at[position].get(mode="promise_in_bounds")  # noqa: E731
-        return take(self.indices), take(self.steps), mask
+
+def epoch_batch_windows(
+    epoch: Epoch, i: Int[ArrayLike, ""], where: str
+) -> tuple[Indices, Steps, Bool[Array, " batch"]]:
+    """The flat indices, start steps and mask of batch `i` of `epoch` (a 0-d integer,
+    traced or not): positions `i * batch_size + k` of the order, wrapped to the start of the
+    order past `count` (masked out there), and all masked out for `i` outside
+    `[0, num_batches())`."""
+    i = jnp.asarray(i)
+    if i.shape != () or not jnp.issubdtype(i.dtype, jnp.integer):
+        raise TypeError(
+            f"{where}: the batch number `i` must be a 0-d integer (a Python int or the "
+            f"loop counter), got shape {i.shape} and dtype {i.dtype}."
+        )
+    batch_size = epoch.batch_size
+    j = i.astype(jnp.int32) * batch_size + jnp.arange(batch_size, dtype=jnp.int32)
+    mask = (j >= 0) & (j < epoch.count)
+    position = j % jnp.maximum(epoch.count, 1)
+    take = lambda x: x.at[position].get(mode="promise_in_bounds")  # noqa: E731
+    return take(epoch.indices), take(epoch.steps), mask
 
 
 def plan_epoch(

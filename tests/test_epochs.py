@@ -295,7 +295,7 @@ def test_bad_epoch_and_batch_number():
     buffer = _items(4)
     epoch = buffer.epoch(jax.random.key(0), 2)
     with pytest.raises(TypeError, match=r"(?s)epoch_batch.*epoch"):
-        buffer.epoch_batch("epoch", 0)
+        buffer.epoch_batch("epoch", 0)  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="plans 16 candidate windows, but this buffer has .* 8"):
         _items(4, capacity=8).epoch_batch(epoch, 0)
     # (the library's message, or jaxtyping's in tests: both name `i`)

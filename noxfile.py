@@ -127,8 +127,8 @@ def bench(session: nox.Session) -> None:
 
     `nox -s bench -- --quick` runs every script at small sizes; `nox -s bench -- core` (or
     `calls`, `prioritised`, `step`, `archive`, `issue6`, `ring_write`, `devices`, `writers`,
-    `programs`, `loader`) runs one, with any further arguments passed to it. (`bench_gpu` is
-    not among them: it is for a lent GPU, through `benchmarks/gpu.sh`.)
+    `programs`, `loader`, `epochs`) runs one, with any further arguments passed to it.
+    (`bench_gpu` is not among them: it is for a lent GPU, through `benchmarks/gpu.sh`.)
     """
     install(session, "bench", package=".[s3]")
     names = [
@@ -143,6 +143,7 @@ def bench(session: nox.Session) -> None:
         "writers",
         "programs",
         "loader",
+        "epochs",
     ]
     args = list(session.posargs)
     chosen = [a for a in args if a in names] or names

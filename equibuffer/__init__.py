@@ -23,6 +23,7 @@ from ._buffers._episodes import (
     PrioritisedEpisodeSample as PrioritisedEpisodeSample,
     PrioritisedEpisodeTrajectoryBuffer as PrioritisedEpisodeTrajectoryBuffer,
 )
+from ._buffers._epochs import Epoch as Epoch
 from ._buffers._item import ItemBuffer as ItemBuffer
 from ._buffers._prioritised import (
     AbstractPrioritisedBuffer as AbstractPrioritisedBuffer,

@@ -3,7 +3,7 @@
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import equinox as eqx
 import jax
@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree, Shaped
 
 from ._buffers._base import Sample
+from ._buffers._epochs import no_epochs
 from ._checks import check_positive_int, keystr, refuse_flashbax_only
 from ._custom_types import BoolScalar, IntScalar
 from ._errors import recorded
@@ -170,6 +171,30 @@ class Mixer(AbstractPrioritisedSource):
         """
         batch_size = check_positive_int("Mixer.counts()", "batch_size", batch_size)
         return largest_remainder(self.proportions, batch_size)
+
+    def epoch(self, key: PRNGKeyArray, batch_size: int) -> NoReturn:
+        """Refused (`TypeError`): a `Mixer` draws from its sources in fixed proportions,
+        which an epoch, every window once, cannot keep. Plan an epoch of each source.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            items = eb.ItemBuffer({"x": jnp.zeros(2)}, add_batch_size=1, capacity=8)
+            mixer = eb.Mixer((items.add({"x": jnp.ones((1, 2))}), items), proportions=(1.0, 0.0))
+            epoch = mixer.buffers[0].epoch(jax.random.key(0), batch_size=4)  # not mixer.epoch
+            assert int(epoch.count) == 1
+            ```
+        """
+        no_epochs(
+            f"{type(self).__name__}.epoch()",
+            (
+                "a Mixer draws from its sources in fixed proportions, which an epoch (every window "
+                "once) cannot keep: plan an epoch of each source instead, "
+                "`mixer.buffers[k].epoch(key, batch_size)`."
+            ),
+        )
 
     def can_sample(self) -> BoolScalar:
         """Whether every source of positive proportion can be sampled (0-d bool, a function of

@@ -3,7 +3,7 @@ that wraps any buffer, so a jitted training loop asks `can_add()` / `can_sample(
 and when to learn."""
 
 import math
-from typing import Any
+from typing import Any, NoReturn
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -11,6 +11,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from ._buffers._base import Sample
+from ._buffers._epochs import no_epochs
 from ._checks import check_positive_int, refuse_flashbax_only
 from ._custom_types import BoolScalar, ExperienceBatch, StepCount
 from ._errors import error_if, recorded
@@ -255,6 +256,32 @@ class RateLimited(eqx.Module):
         increment = self._increment(where, steps)
         self._check_deadlock(where, 1, steps, f"steps={steps}, and a batch_size of at least 1")
         return ~self.buffer.can_sample() | self._at_most(self.tolerance - increment)
+
+    def epoch(self, key: PRNGKeyArray, batch_size: int) -> NoReturn:
+        """Refused (`TypeError`): an epoch reads every window once, outside the
+        sample-to-insert ratio the limiter keeps. Plan it on the wrapped buffer (the limiter
+        does not count what it reads).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            items = eb.ItemBuffer({"x": jnp.zeros(2)}, add_batch_size=2, capacity=8)
+            limited = eb.RateLimited(items, samples_per_insert=1.0, tolerance=8.0)
+            limited = limited.add({"x": jnp.ones((2, 3, 2))})
+            epoch = limited.buffer.epoch(jax.random.key(0), batch_size=4)  # 6 items
+            assert int(epoch.num_batches()) == 2 and float(limited.credit()) == 6.0  # unchanged
+            ```
+        """
+        no_epochs(
+            f"{type(self).__name__}.epoch()",
+            (
+                "an epoch reads every window once, outside the sample-to-insert ratio that the "
+                "limiter keeps: plan it on the wrapped buffer, `limited.buffer.epoch(key, "
+                "batch_size)` (the limiter does not count what an epoch reads)."
+            ),
+        )
 
     def can_sample(self, batch_size: int) -> BoolScalar:
         """Whether the loop may sample `batch_size` windows now: the buffer can be sampled

@@ -5,13 +5,14 @@ from typing import Any, TypeAlias, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, PRNGKeyArray, PyTree, Shaped
+from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray, PyTree, Shaped
 
 from .._checks import check_positive_int, check_row_blocks, check_structure, keystr
 from .._custom_types import BoolScalar, ExperienceBatch, IntScalar, StepCount
-from .._errors import recorded
+from .._errors import branched_error_if, error_if, record, recorded
 from .._protocol import AbstractReplayBuffer
 from .._ring import check_like, RingStorage
+from ._epochs import Epoch, epoch_batch_windows, plan_epoch, still_held
 from ._rules import (
     AbstractPrioritisedRule,
     AbstractRule,
@@ -19,6 +20,7 @@ from ._rules import (
     check_priority,
     count_held,
     Drawn,
+    EpisodeEnds,
     Window,
 )
 from ._samples import EpisodeSample, Sample, Transition as Transition
@@ -365,6 +367,151 @@ class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
             top = jnp.asarray(check_priority(where, priority), jnp.float32)
             rule = rule.with_priorities(rule.tree, top)
         return self._with(storage, rule.updated(storage, self.window, restored=True))
+
+    @recorded
+    def epoch(self, key: PRNGKeyArray, batch_size: int) -> Epoch:
+        """Plan an epoch: every window valid now, once each, in a uniformly random order,
+        cut into batches of `batch_size` (the last one short). Fetch batch `i` with
+        [`equibuffer.AbstractBuffer.epoch_batch`][]. Works inside jit (the plan has static
+        shapes: one entry per candidate window, `add_batch_size * max_length_time_axis`),
+        under `vmap` and with donation.
+
+        The windows are those `sample` draws from, with the same view (windows, pairs,
+        n-step transitions, items) and episode rule; a prioritised buffer's priorities play
+        no part (an epoch visits every valid window once, whatever its priority, 0 included).
+        Make a new plan for each epoch: the windows that adds made valid since are in the
+        next one.
+
+        **Arguments:**
+
+        - `key`: a JAX PRNG key; two keys give two independent orders.
+        - `batch_size`: the windows per batch (static), at least 1.
+
+        **Returns:**
+
+        An [`equibuffer.Epoch`][]. Fails (inside jit: recorded in the plan and in every
+        batch fetched with it, raised by [`equibuffer.check`][]) when `can_sample()` is
+        false, or when no window is valid (an episode-aware buffer whose episodes are all
+        shorter than the window).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            buffer = eb.TransitionBuffer({"t": jnp.int32(0)}, add_batch_size=1, capacity=16)
+            buffer = buffer.add({"t": jnp.arange(6, dtype=jnp.int32)[None]})
+            epoch = buffer.epoch(jax.random.key(0), batch_size=2)  # 5 pairs: 0-1, ..., 4-5
+            firsts = []
+            for i in range(int(epoch.num_batches())):
+                sample, valid = buffer.epoch_batch(epoch, i)
+                firsts += sample.experience.first["t"][valid].tolist()
+            assert sorted(firsts) == [0, 1, 2, 3, 4]  # each pair once
+            ```
+        """
+        where = f"{type(self).__name__}.epoch()"
+        batch_size = check_positive_int(where, "batch_size", batch_size)
+        valid = self.rule.valid_starts(self.storage, self.window)
+        epoch = plan_epoch(self.storage, valid, key, batch_size)
+        ready = self.can_sample()
+        episodes = getattr(self.rule, "episodes", None)
+        no_window = (
+            episodes.no_window_message(where, self.window)
+            if isinstance(episodes, EpisodeEnds)
+            else f"{where}: no valid window."
+        )
+        count = branched_error_if(
+            epoch.count,
+            ~ready | (epoch.count == 0),
+            jnp.where(ready, 1, 0),
+            [self._not_ready(where), no_window],
+        )
+        return eqx.tree_at(lambda e: e.count, epoch, count)
+
+    @recorded
+    def epoch_batch(
+        self, epoch: Epoch, i: Int[ArrayLike, ""]
+    ) -> tuple[Sample, Bool[Array, " batch"]]:
+        """Batch `i` of an epoch planned by [`equibuffer.AbstractBuffer.epoch`][]: the
+        windows at positions `i * batch_size` to `(i + 1) * batch_size - 1` of its order.
+
+        **Arguments:**
+
+        - `epoch`: an [`equibuffer.Epoch`][] of this buffer (one made by a buffer of another
+            size is refused).
+        - `i`: the batch number, a 0-d integer (a Python int, or the counter of a
+            `lax.fori_loop` / `lax.scan`).
+
+        **Returns:**
+
+        `(sample, valid)`: `sample` is what `sample` returns for a uniform buffer of this
+        kind (a [`equibuffer.Sample`][], or an [`equibuffer.EpisodeSample`][] with its
+        episode mask; no probabilities or weights: an epoch is not drawn by priority), of
+        `batch_size` windows; its `indices` and `steps` may be given to `set_priorities`.
+        `valid`: `(batch_size,)` bool, true at the windows of the epoch. It is false at the
+        end of the last batch, which runs short (those places repeat windows from the start
+        of the epoch: real data, to be masked out of the loss), and everywhere in a batch
+        `i` outside `[0, epoch.num_batches())`.
+
+        The buffer may grow between `epoch` and `epoch_batch`: the plan keeps its windows,
+        and data added since is not in it (plan a new epoch). When adds have written over a
+        window of the batch since the plan was made (the ring wrapped over it), the batch
+        fails (inside jit: recorded in the sample, raised by [`equibuffer.check`][]): plan
+        epochs after the adds, or add fewer steps than the ring has room for while an epoch
+        runs. `update` between the two is not checked: a batch holds the data as it is now.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, equinox as eqx, jax, jax.numpy as jnp
+            from jax import lax
+
+            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=2,
+                                         max_length_time_axis=64, sequence_length=4)
+            buffer = buffer.add({"x": jnp.ones((2, 20))})  # 17 windows per row
+
+            @eqx.filter_jit
+            def epoch_sum(buffer, key):
+                epoch = buffer.epoch(key, batch_size=8)
+
+                def body(i, total):
+                    sample, valid = buffer.epoch_batch(epoch, i)
+                    per_window = sample.experience["x"].sum(axis=1)  # a stand-in for a loss
+                    return total + jnp.sum(jnp.where(valid, per_window, 0.0))
+
+                return lax.fori_loop(0, epoch.num_batches(), body, jnp.float32(0))
+
+            assert float(epoch_sum(buffer, jax.random.key(0))) == 34 * 4.0  # each window once
+            ```
+        """
+        where = f"{type(self).__name__}.epoch_batch()"
+        if not isinstance(epoch, Epoch):
+            raise TypeError(
+                f"{where}: `epoch` must be an equibuffer.Epoch made by `buffer.epoch(key, "
+                f"batch_size)`, got {type(epoch).__name__}."
+            )
+        candidates = self.storage.rows * self.storage.length
+        if epoch.indices.shape != (candidates,):
+            raise ValueError(
+                f"{where}: the epoch plans {epoch.indices.shape[-1]} candidate windows, but "
+                f"this buffer has add_batch_size * max_length_time_axis = {candidates}; "
+                "plan the epoch with this buffer's `epoch`."
+            )
+        record(epoch.error)  # a failure recorded while planning goes on to every batch
+        indices, steps, valid = epoch_batch_windows(epoch, i, where)
+        indices = error_if(
+            indices,
+            jnp.any(valid & ~still_held(self.storage, indices, steps)),
+            f"{where}: a window of this epoch was written over by adds made after "
+            f"`epoch()` planned it (the ring holds max_length_time_axis="
+            f"{self.storage.length} steps per row). Plan the epoch after the adds, or add "
+            "fewer steps while an epoch runs.",
+        )
+        experience, mask = self._experience(Drawn(indices, steps))
+        if mask is None:
+            return Sample(experience=experience, indices=indices, steps=steps), valid
+        sample = EpisodeSample(experience=experience, indices=indices, steps=steps, mask=mask)
+        return sample, valid
 
     def _with(self: _Buffer, storage: RingStorage, rule: AbstractRule) -> _Buffer:
         """The buffer with `storage` and `rule`. A rule without state (`Uniform`) returns

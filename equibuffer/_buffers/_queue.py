@@ -1,10 +1,12 @@
 """A FIFO queue of trajectories, for on-policy algorithms: the ring storage plus a count of the
 steps not yet read."""
 
+from typing import NoReturn
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import Array, Int, PRNGKeyArray
 
 from .._checks import check_positive_int, refuse_flashbax_only
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar
@@ -12,6 +14,7 @@ from .._errors import error_if, recorded
 from .._ring import check_like, RingStorage
 from .._windows import gather_slots
 from ._base import AbstractRingHolder, Sample, update_storage, UpdateFn
+from ._epochs import no_epochs
 from ._sizes import SizeArgs
 
 
@@ -169,6 +172,33 @@ class Queue(AbstractRingHolder):
             steps = self.add_sequence_length
         steps = check_positive_int("Queue.can_add()", "steps", steps)
         return self.unread + steps <= self.storage.length
+
+    def epoch(self, key: PRNGKeyArray, batch_size: int) -> NoReturn:
+        """Refused (`TypeError`): a `Queue` already returns each step exactly once, in order
+        of arrival (`sample()`). For several epochs over a rollout, add it to a buffer and
+        plan epochs there.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            rollout = {"x": jnp.arange(8.0).reshape(2, 4)}  # 2 environments, 4 steps
+            items = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=2, capacity=8)
+            items = items.add(rollout)
+            for seed in range(3):  # 3 epochs over the rollout, each in its own order
+                epoch = items.epoch(jax.random.key(seed), batch_size=4)
+                assert int(epoch.count) == 8
+            ```
+        """
+        no_epochs(
+            f"{type(self).__name__}.epoch()",
+            (
+                "a Queue already returns each step exactly once, in order of arrival "
+                "(`queue.sample()`); for several epochs over a rollout, add it to an ItemBuffer "
+                "or TrajectoryBuffer and plan epochs there."
+            ),
+        )
 
     def can_sample(self) -> BoolScalar:
         """Whether every row holds at least `sequence_length` unread steps (0-d bool).

@@ -415,10 +415,22 @@ class AbstractRule(eqx.Module):
     def count_valid(self, storage: RingStorage, window: Window) -> IntScalar:
         """The number of windows that can be drawn now."""
 
+    @abc.abstractmethod
+    def valid_starts(self, storage: RingStorage, window: Window) -> Bool[Array, "rows length"]:
+        """Whether the window starting at each slot of each row is valid now (the windows
+        `count_valid` counts; priorities play no part): what an epoch visits."""
+
 
 def count_held(storage: RingStorage, window: Window) -> IntScalar:
     """The number of windows valid by the counters, over all rows."""
     return window_layout(storage, window.length, window.period)[1] * storage.rows
+
+
+def held_starts(storage: RingStorage, window: Window) -> Bool[Array, "rows length"]:
+    """Whether the window starting at each slot is valid by the counters, in every row."""
+    offsets = window_offsets(storage, jnp.arange(storage.length, dtype=jnp.int32))
+    held = windows_held(storage, offsets, window.length, window.period)
+    return jnp.broadcast_to(held, (storage.rows, storage.length))
 
 
 class AbstractUniformRule(AbstractRule):
@@ -491,6 +503,9 @@ class Uniform(AbstractUniformRule):
     def count_valid(self, storage: RingStorage, window: Window) -> IntScalar:
         return count_held(storage, window)
 
+    def valid_starts(self, storage: RingStorage, window: Window) -> Bool[Array, "rows length"]:
+        return held_starts(storage, window)
+
     def draw(
         self,
         storage: RingStorage,
@@ -552,6 +567,10 @@ class Episodic(AbstractUniformRule):
 
     def count_valid(self, storage: RingStorage, window: Window) -> IntScalar:
         return self.tree.total().astype(jnp.int32)
+
+    def valid_starts(self, storage: RingStorage, window: Window) -> Bool[Array, "rows length"]:
+        # The leaves are 1 at the valid window starts, 0 elsewhere.
+        return (self.tree.values() > 0).reshape(storage.rows, storage.length)
 
     def draw(
         self,
@@ -645,6 +664,9 @@ class Prioritised(AbstractPrioritisedRule):
 
     def count_valid(self, storage: RingStorage, window: Window) -> IntScalar:
         return count_held(storage, window)
+
+    def valid_starts(self, storage: RingStorage, window: Window) -> Bool[Array, "rows length"]:
+        return held_starts(storage, window)
 
     def draw(
         self,
@@ -782,6 +804,9 @@ class PrioritisedEpisodic(AbstractPrioritisedRule):
 
     def count_valid(self, storage: RingStorage, window: Window) -> IntScalar:
         return self.num_valid
+
+    def valid_starts(self, storage: RingStorage, window: Window) -> Bool[Array, "rows length"]:
+        return self.valid
 
     def current(
         self, storage: RingStorage, window: Window, indices: Indices, steps: Steps

@@ -10,13 +10,14 @@ a rule (`UniformInCluster`, `PrioritisedInCluster`: the state a draw needs), wit
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
+from .._buffers._epochs import no_epochs
 from .._buffers._rules import (
     check_alpha,
     check_beta,
@@ -137,6 +138,33 @@ class AbstractClusteredBuffer(AbstractReplayBuffer):
         if self.weights is None:
             return jnp.ones(self.num_clusters, jnp.float32)
         return jnp.asarray(self.weights, jnp.float32)
+
+    def epoch(self, key: PRNGKeyArray, batch_size: int) -> NoReturn:
+        """Refused (`TypeError`): a clustered buffer draws a cluster by weight, then an item
+        in it; epochs over its items are not offered (yet). Keep the items in an
+        `ItemBuffer` as well for epochs.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax, jax.numpy as jnp
+
+            example, batch = {"x": jnp.zeros(2)}, {"x": jnp.ones((2, 2))}
+            clusters = eb.ClusteredBuffer(example, add_batch_size=2, num_clusters=2,
+                                          cluster_capacity=4, cluster_fn=lambda item: 0)
+            items = eb.ItemBuffer(example, add_batch_size=2, capacity=8)
+            clusters, items = clusters.add(batch), items.add(batch)
+            assert int(items.epoch(jax.random.key(0), batch_size=2).num_batches()) == 1
+            ```
+        """
+        no_epochs(
+            f"{type(self).__name__}.epoch()",
+            (
+                "clustered buffers draw a cluster by weight, then an item inside it; epochs over "
+                "their items are not offered (yet). For epochs, add the same items to an "
+                "ItemBuffer as well and plan epochs there."
+            ),
+        )
 
     def can_sample(self) -> BoolScalar:
         """Whether any item was ever added (0-d bool; independent of the routing, so it

@@ -135,10 +135,7 @@ class EpisodeTrajectoryBuffer(AbstractUniformBuffer):
             `mask`).
         """
         where = "EpisodeTrajectoryBuffer()"
-        sizes = SizeArgs(
-            capacity, max_size, max_length, max_length_time_axis,
-            min_size, min_length, min_length_time_axis,
-        )  # fmt: skip
+        sizes = SizeArgs.of(locals())
         self.storage, self.view, self.period, self.min_length_time_axis = configure(
             where, example, add_batch_size, sizes, lambda _: window_view(where, sequence_length),
             flat=False, period=period,
@@ -232,10 +229,7 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
             positive priority, 1 fully proportional. Default 0.6.
         """
         where = "PrioritisedEpisodeTrajectoryBuffer()"
-        sizes = SizeArgs(
-            capacity, max_size, max_length, max_length_time_axis,
-            min_size, min_length, min_length_time_axis,
-        )  # fmt: skip
+        sizes = SizeArgs.of(locals())
         self.storage, self.view, self.period, self.min_length_time_axis = configure(
             where, example, add_batch_size, sizes, lambda _: window_view(where, sequence_length),
             flat=False, period=period,

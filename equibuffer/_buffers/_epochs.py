@@ -30,7 +30,7 @@ class Epoch(eqx.Module):
     [`equibuffer.AbstractBuffer.epoch_batch`][]`(epoch, i)`.
 
     - `indices`: `(add_batch_size * max_length_time_axis,)` int32, flat window indices
-        (`row * max_length + slot`, as `Sample.indices`): the first `count` are the valid
+        (`row * max_length_time_axis + slot`, as `Sample.indices`): the first `count` are the valid
         windows in a uniformly random order, the rest the other candidate slots.
     - `steps`: the same shape, uint32: the absolute start step (mod 2**32) of each, as
         `Sample.steps`; a batch checks that its windows still start there.

@@ -58,10 +58,7 @@ class ItemBuffer(AbstractUniformBuffer):
             `min_length_time_axis`, per row. Default and least: 1 per row.
         """
         where = "ItemBuffer()"
-        sizes = SizeArgs(
-            capacity, max_size, max_length, max_length_time_axis,
-            min_size, min_length, min_length_time_axis,
-        )  # fmt: skip
+        sizes = SizeArgs.of(locals())
         self.storage, self.view, self.period, self.min_length_time_axis = configure(
             where, example, add_batch_size, sizes, lambda _: ItemView(), flat=True
         )

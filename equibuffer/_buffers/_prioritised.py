@@ -274,10 +274,7 @@ class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
             priority, 1 fully proportional. Default 0.6 (Schaul et al.).
         """
         where = "PrioritisedTrajectoryBuffer()"
-        sizes = SizeArgs(
-            capacity, max_size, max_length, max_length_time_axis,
-            min_size, min_length, min_length_time_axis,
-        )  # fmt: skip
+        sizes = SizeArgs.of(locals())
         self.storage, self.view, self.period, self.min_length_time_axis = configure(
             where, example, add_batch_size, sizes, lambda _: window_view(where, sequence_length),
             flat=False, period=period,
@@ -342,10 +339,7 @@ class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
         - `alpha`: the priority exponent, `>= 0` (default 0.6).
         """
         where = "PrioritisedTransitionBuffer()"
-        sizes = SizeArgs(
-            capacity, max_size, max_length, max_length_time_axis,
-            min_size, min_length, min_length_time_axis,
-        )  # fmt: skip
+        sizes = SizeArgs.of(locals())
         self.storage, self.view, self.period, self.min_length_time_axis = configure(
             where, example, add_batch_size, sizes,
             lambda storage: transition_view(
@@ -403,10 +397,7 @@ class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
         - `alpha`: the priority exponent, `>= 0` (default 0.6).
         """
         where = "PrioritisedItemBuffer()"
-        sizes = SizeArgs(
-            capacity, max_size, max_length, max_length_time_axis,
-            min_size, min_length, min_length_time_axis,
-        )  # fmt: skip
+        sizes = SizeArgs.of(locals())
         self.storage, self.view, self.period, self.min_length_time_axis = configure(
             where, example, add_batch_size, sizes, lambda _: ItemView(), flat=True
         )

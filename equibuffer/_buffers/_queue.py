@@ -80,9 +80,7 @@ class Queue(AbstractRingHolder):
             length of the next add.
         """
         where = "Queue()"
-        self.storage = SizeArgs(capacity, max_size, max_length, max_length_time_axis).storage(
-            where, example, add_batch_size, flat=False
-        )
+        self.storage = SizeArgs.of(locals()).storage(where, example, add_batch_size, flat=False)
         length = self.storage.length
         self.sequence_length = check_positive_int(where, "sequence_length", sequence_length)
         if self.sequence_length > length:

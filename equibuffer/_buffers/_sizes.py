@@ -15,7 +15,7 @@ refused with an error naming what to pass.
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .._checks import check_positive_int
 from .._custom_types import ExampleTree
@@ -135,6 +135,13 @@ class SizeArgs(NamedTuple):
     min_size: int | None = None
     min_length: int | None = None
     min_length_time_axis: int | None = None
+
+    @classmethod
+    def of(cls, arguments: dict[str, Any]) -> "SizeArgs":
+        """The size arguments among a constructor's `arguments` (its `locals()`), by name;
+        those it does not take are None. Every buffer's constructor reads its sizes this one
+        way, so no two can pass them in a different order."""
+        return cls(**{name: arguments.get(name) for name in cls._fields})
 
     def storage(
         self, where: str, example: ExampleTree, add_batch_size: int, *, flat: bool

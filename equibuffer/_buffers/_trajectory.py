@@ -70,10 +70,7 @@ class TrajectoryBuffer(AbstractUniformBuffer):
             Flashbax's names for a flat buffer's totals, which trajectory buffers do not take).
         """
         where = "TrajectoryBuffer()"
-        sizes = SizeArgs(
-            capacity, max_size, max_length, max_length_time_axis,
-            min_size, min_length, min_length_time_axis,
-        )  # fmt: skip
+        sizes = SizeArgs.of(locals())
         self.storage, self.view, self.period, self.min_length_time_axis = configure(
             where, example, add_batch_size, sizes, lambda _: window_view(where, sequence_length),
             flat=False, period=period,

@@ -107,10 +107,7 @@ class TransitionBuffer(AbstractUniformBuffer):
             transition, comes back zero, with `sample.mask` false there).
         """
         where = "TransitionBuffer()"
-        sizes = SizeArgs(
-            capacity, max_size, max_length, max_length_time_axis,
-            min_size, min_length, min_length_time_axis,
-        )  # fmt: skip
+        sizes = SizeArgs.of(locals())
         self.storage, self.view, self.period, self.min_length_time_axis = configure(
             where, example, add_batch_size, sizes,
             lambda storage: transition_view(

@@ -275,7 +275,7 @@ class ArchiveLoader:
         start = LoaderPosition(0, 0, 0) if position is None else self._check_position(position)
         self._position = start
         self._device = device
-        self._template = None
+        self._template: RingStorage | None = None
         if self._view is not None:
             self._template = RingStorage(example, rows=self.batch_size, length=self.window)
             self._template = self._template.with_counters(
@@ -571,7 +571,7 @@ class ArchiveLoader:
         mask = np.arange(self.batch_size) < fill
         host = (tree, rows.astype(np.int32), starts.astype(np.int32), mask)
         experience, rows_d, starts_d, mask_d = jax.device_put(host, self._device)
-        if self._view is not None:
+        if self._view is not None and self._template is not None:
             experience = _apply(self._view, self._template, experience)
         batch = LoaderBatch(experience, rows_d, starts_d, mask_d)
         jax.block_until_ready(batch)

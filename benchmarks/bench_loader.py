@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -128,7 +129,7 @@ def disk_rate(path: str) -> float:
     return total / (time.perf_counter() - t0)
 
 
-def write(path: str, dtype: str, data_bytes: int) -> int:
+def write(path: str, dtype: str, data_bytes: int, storage_options: dict | None = None) -> int:
     rng = np.random.default_rng(0)
     step_bytes = int(np.prod(SHAPE)) * np.dtype(dtype).itemsize + 4
     blocks = max(1, -(-data_bytes // (ROWS * BLOCK * step_bytes)))
@@ -138,7 +139,7 @@ def write(path: str, dtype: str, data_bytes: int) -> int:
         obs = rng.integers(0, 256, (ROWS, BLOCK, *SHAPE), dtype=np.uint8)
     else:
         obs = rng.standard_normal((ROWS, BLOCK, *SHAPE), dtype=np.float32)
-    with Archive(path, ring, progress=False) as archive:
+    with Archive(path, ring, progress=False, storage_options=storage_options) as archive:
         for i in range(blocks):
             t = np.broadcast_to(
                 np.arange(i * BLOCK, (i + 1) * BLOCK, dtype=np.int32), (ROWS, BLOCK)
@@ -171,6 +172,53 @@ def loader_run(path: str, limit: int, seconds: float, step_ms: float) -> dict:
     return got
 
 
+def s3_run(dtype: str, data_bytes: int, seconds: float) -> dict:
+    """On moto's S3 server (started here, on loopback, served by this process's threads): the
+    store's own rate (every object of the archive fetched in order, as plain GETs),
+    `Archive.iter` and the loader (in this process, no memory limit: the archive is small
+    enough to stay on the server) against it."""
+    import obstore
+
+    from .bench_archive import BUCKET, moto_server
+
+    with moto_server() as options:
+        prefix = f"loader-{dtype}-{os.getpid()}.zarr"
+        url = f"s3://{BUCKET}/{prefix}"
+        stored = write(url, dtype, data_bytes, storage_options=options)
+        store = obstore.store.S3Store(BUCKET, **options)
+        t0 = time.perf_counter()
+        total = 0
+        for batch in obstore.list(store, prefix=prefix):
+            for meta in sorted(batch, key=lambda m: m["path"]):
+                total += len(obstore.get(store, meta["path"]).bytes())
+        store_rate = total / (time.perf_counter() - t0)
+        archive = Archive(url, mode="r", progress=False, storage_options=options)
+        raw, t0 = archive.nbytes()[0], time.perf_counter()
+        for _ in archive.iter():
+            pass
+        iter_rate = raw / (time.perf_counter() - t0)
+        loader = eb.ArchiveLoader(
+            archive, jax.random.key(0), BATCH, sequence_length=SEQ, pool_blocks=2, epochs=1
+        )
+        windows = nbytes = 0
+        t0 = time.perf_counter()
+        with loader:
+            for batch in loader:
+                m = int(np.asarray(batch.mask).sum())
+                windows += m
+                nbytes += sum(x.nbytes for x in jax.tree.leaves(batch.experience)) * m // BATCH
+                if time.perf_counter() - t0 > seconds:
+                    break
+        elapsed = time.perf_counter() - t0
+    return {
+        "stored": stored,
+        "store": store_rate,
+        "iter": iter_rate,
+        "windows": windows / elapsed,
+        "bytes": nbytes / elapsed,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-gb", type=float, default=4.0)
@@ -180,11 +228,15 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=20.0, help="the learner step's cost")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--folder", default=None, help="where the archive goes (default /tmp)")
+    parser.add_argument(
+        "--s3-gb", type=float, default=0.5, help="data on moto's S3 server (0: no S3 run)"
+    )
+    parser.add_argument("--no-local", action="store_true", help="only the S3 run")
     args = parser.parse_args()
     if args.quick:
-        args.data_gb, args.limit_gb, args.seconds = 2.0, 0.5, 8.0
+        args.data_gb, args.limit_gb, args.seconds, args.s3_gb = 2.0, 0.5, 8.0, 0.25
     rows = []
-    for dtype in args.dtypes.split(","):
+    for dtype in args.dtypes.split(",") if not args.no_local else []:
         folder = tempfile.mkdtemp(dir=args.folder)
         path = os.path.join(folder, f"loader-{dtype}.zarr")
         try:
@@ -213,6 +265,20 @@ def main() -> None:
             "limit held": "yes" if free["held"] and learner["held"] else "NO",
         })  # fmt: skip
     print(table(rows))
+    if args.s3_gb > 0:
+        s3 = []
+        for dtype in args.dtypes.split(","):
+            got = s3_run(dtype, int(args.s3_gb * 1e9), args.seconds)
+            s3.append({
+                "dtype": dtype,
+                "data (stored)": f"{got['stored'] / 1e9:.2f} GB",
+                "S3 (moto), objects in order": f"{got['store'] / 1e6:.0f} MB/s",
+                "Archive.iter": f"{got['iter'] / 1e6:.0f} MB/s ({got['iter'] / got['store']:.2f}x)",
+                "loader windows/s": f"{got['windows']:.0f}",
+                "loader bytes/s": f"{got['bytes'] / 1e6:.0f} MB/s "
+                                  f"({got['bytes'] / got['store']:.2f}x)",
+            })  # fmt: skip
+        print(table(s3))
 
 
 if __name__ == "__main__":

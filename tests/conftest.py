@@ -1,5 +1,6 @@
 import collections
 import os
+import pathlib
 
 import jax
 import jax.random as jr
@@ -10,6 +11,31 @@ from .helpers import SEQUENCES, STATEFUL_EXAMPLES
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+# --- Which equibuffer the tests import --------------------------------------------------------
+# `nox -s package` runs them against the wheel as pip installs it and sets this variable: an
+# import of the source tree is then an error, not a silent pass.
+INSTALLED = "EQUIBUFFER_TEST_INSTALLED"
+
+
+def _equibuffer_dir() -> pathlib.Path:
+    import equibuffer
+
+    return pathlib.Path(equibuffer.__file__).resolve().parent
+
+
+def pytest_report_header(config):
+    return f"equibuffer: {_equibuffer_dir()}"
+
+
+def pytest_configure(config):
+    if os.environ.get(INSTALLED) and "site-packages" not in _equibuffer_dir().parts:
+        raise pytest.UsageError(
+            f"{INSTALLED} is set but equibuffer was imported from {_equibuffer_dir()}, not "
+            "from an installed package (site-packages): run the tests from a directory "
+            "without the source tree."
+        )
 
 
 @pytest.fixture

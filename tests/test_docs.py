@@ -171,7 +171,7 @@ def _message_templates() -> list[str]:
         return None
 
     found = []
-    for path in sorted((ROOT / "equibuffer").rglob("*.py")):
+    for path in sorted(pathlib.Path(eb.__file__).parent.rglob("*.py")):  # the package imported
         tree = ast.parse(path.read_text())
         scopes = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)] + [tree]
         for scope in scopes:

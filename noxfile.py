@@ -32,7 +32,8 @@ HERE = f"{sys.version_info.major}.{sys.version_info.minor}"
 # Set for a run against the installed wheel: tests/conftest.py then refuses a source import.
 INSTALLED = "EQUIBUFFER_TEST_INSTALLED"
 # `nox -s tests`'s selection (`nox -s package` runs the same against the wheel).
-QUICK = ["-m", "not slow"]
+# Budgets (tests/conftest.py): hypothesis profile `quick`, marker `thorough` left out.
+QUICK = ["-m", "not slow and not thorough", "--hypothesis-profile", "quick"]
 
 
 def install(session: nox.Session, *groups: str, package: str = ".") -> None:
@@ -48,7 +49,10 @@ def run_tests(session: nox.Session, *selection: str) -> None:
 @nox.session(python=HERE)
 def tests(session: nox.Session) -> None:
     """The test suite (jaxtyping + beartype runtime checks on), on the Python that runs nox,
-    except the tests that start processes (marker `slow`: `nox -s slow`; CI runs both)."""
+    at the quick budgets: property and stateful tests at most 8 examples each (hypothesis
+    profile `quick`), without the costliest cases (marker `thorough`) and the tests that start
+    processes (marker `slow`: `nox -s slow`). `nox -s tests-all` and CI run everything at the
+    full budgets (tests/conftest.py)."""
     run_tests(session, *QUICK)
 
 

@@ -49,7 +49,7 @@ def run_tests(session: nox.Session, *selection: str) -> None:
 @nox.session(python=HERE)
 def tests(session: nox.Session) -> None:
     """The test suite (jaxtyping + beartype runtime checks on), on the Python that runs nox,
-    at the quick budgets: property and stateful tests at most 8 examples each (hypothesis
+    at the quick budgets: property and stateful tests at most 5 examples each (hypothesis
     profile `quick`), without the costliest cases (marker `thorough`) and the tests that start
     processes (marker `slow`: `nox -s slow`). `nox -s tests-all` and CI run everything at the
     full budgets (tests/conftest.py)."""

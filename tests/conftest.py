@@ -37,7 +37,7 @@ from .helpers import SEQUENCES, STATEFUL_EXAMPLES
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-QUICK_EXAMPLES = 8
+QUICK_EXAMPLES = 5
 settings.register_profile("full", deadline=None)
 settings.register_profile("quick", deadline=None, max_examples=QUICK_EXAMPLES)
 

@@ -2,14 +2,20 @@
 
 Environments are built with uv from the dependency groups in pyproject.toml.
 
-`tests` and `demo` run on the Python that runs nox (any supported one: 3.11, 3.12 or 3.13), so
-the README's two commands work on a machine with only its default Python. `tests-all` runs the
-whole suite on every supported Python (CI runs it); a Python that a session asks for and that is
-not found is an error, never a silent skip.
+Every session but `tests-all` runs on the Python that runs nox (any supported one: 3.11, 3.12
+or 3.13), so each works on a machine with only its default Python. (On 3.11 the resolver picks
+older releases: jax 0.10, zarr 3.1, mkdocs-jupyter 0.26; the code, the docs build and pyright
+are kept working with both.) `tests-all` runs the whole suite on every supported Python (CI runs
+it); a Python that a session asks for and that is not found is an error, never a silent skip.
 """
 
+import email
 import os
+import pathlib
+import shutil
 import sys
+import tarfile
+import zipfile
 
 import nox
 
@@ -23,6 +29,11 @@ PYPROJECT = nox.project.load_toml("pyproject.toml")
 PYTHONS = ["3.11", "3.12", "3.13"]
 # The Python running nox (what a fresh machine has), for the sessions a newcomer runs.
 HERE = f"{sys.version_info.major}.{sys.version_info.minor}"
+# Set for a run against the installed wheel: tests/conftest.py then refuses a source import.
+INSTALLED = "EQUIBUFFER_TEST_INSTALLED"
+# `nox -s tests`'s selection (`nox -s package` runs the same against the wheel).
+# Budgets (tests/conftest.py): hypothesis profile `quick`, marker `thorough` left out.
+QUICK = ["-m", "not slow and not thorough", "--hypothesis-profile", "quick"]
 
 
 def install(session: nox.Session, *groups: str, package: str = ".") -> None:
@@ -38,8 +49,11 @@ def run_tests(session: nox.Session, *selection: str) -> None:
 @nox.session(python=HERE)
 def tests(session: nox.Session) -> None:
     """The test suite (jaxtyping + beartype runtime checks on), on the Python that runs nox,
-    except the tests that start processes (marker `slow`: `nox -s slow`; CI runs both)."""
-    run_tests(session, "-m", "not slow")
+    at the quick budgets: property and stateful tests at most 5 examples each (hypothesis
+    profile `quick`), without the costliest cases (marker `thorough`) and the tests that start
+    processes (marker `slow`: `nox -s slow`). `nox -s tests-all` and CI run everything at the
+    full budgets (tests/conftest.py)."""
+    run_tests(session, *QUICK)
 
 
 @nox.session(python=HERE)
@@ -51,8 +65,69 @@ def slow(session: nox.Session) -> None:
 
 @nox.session(python=PYTHONS, name="tests-all")
 def tests_all(session: nox.Session) -> None:
-    """The test suite on every supported Python; a missing one is an error (CI runs this)."""
+    """The whole test suite on every supported Python, from the source tree; a missing one is
+    an error. (CI runs it on 3.11 and 3.13, and on 3.12 against the wheel: `nox -s package`.)"""
     run_tests(session)
+
+
+# What the package run copies of the repository: everything the tests read (docs, notebooks,
+# examples, README, pyproject's pytest settings) but the package's source.
+NOT_COPIED = {"equibuffer", ".git", ".nox", ".venv", "site", "dist", "build", ".hypothesis"}
+
+
+def check_dists(dist: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """Check the wheel and the sdist in `dist` hold every file of `equibuffer/` (`py.typed` and
+    any data file included) and declare the extras; return their paths."""
+    package = {
+        p.relative_to(".").as_posix()
+        for p in pathlib.Path("equibuffer").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+    assert "equibuffer/py.typed" in package, "equibuffer/py.typed is missing from the source"
+    (wheel,) = dist.glob("*.whl")
+    (sdist,) = dist.glob("*.tar.gz")
+    with zipfile.ZipFile(wheel) as z:
+        in_wheel = set(z.namelist())
+        (meta,) = [n for n in in_wheel if n.endswith(".dist-info/METADATA")]
+        metadata = email.message_from_bytes(z.read(meta))
+    with tarfile.open(sdist) as t:
+        in_sdist = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    for name, held in [(wheel.name, in_wheel), (sdist.name, in_sdist)]:
+        missing = sorted(package - held)
+        assert not missing, f"{name} lacks files of equibuffer/: {missing}"
+    extras = set(metadata.get_all("Provides-Extra") or [])
+    assert {"s3", "testing"} <= extras, f"{wheel.name} declares the extras {sorted(extras)}"
+    return wheel, sdist
+
+
+def run_installed(session: nox.Session, *selection: str) -> None:
+    """Build the sdist and the wheel, check them, install the wheel with its extras into this
+    session's fresh environment and run the tests against it, from a copy of the repository
+    without `equibuffer/` (the conftest checks the package comes from site-packages)."""
+    tmp = pathlib.Path(session.create_tmp()).resolve()
+    dist, copy = tmp / "dist", tmp / "repository"
+    shutil.rmtree(dist, ignore_errors=True)
+    shutil.rmtree(copy, ignore_errors=True)
+    session.run("uv", "build", "--quiet", "--out-dir", str(dist))
+    wheel, sdist = check_dists(dist)
+    session.run("uv", "tool", "run", "twine", "check", "--strict", str(wheel), str(sdist))
+    deps = nox.project.dependency_groups(PYPROJECT, "tests")
+    session.install(
+        f"equibuffer[s3,testing] @ {wheel.as_uri()}", *deps, "--reinstall-package", "equibuffer"
+    )
+    shutil.copytree(".", copy, ignore=lambda d, names: NOT_COPIED if d == "." else ())
+    with session.chdir(copy):
+        session.run("pytest", "-n", "2", "--dist", "loadfile", *selection, env={INSTALLED: "1"})
+
+
+@nox.session(python=HERE)
+def package(session: nox.Session) -> None:
+    """The package as `pip` installs it: builds the sdist and the wheel, checks their metadata
+    (`twine check --strict`) and contents (`py.typed` and every file of `equibuffer/`),
+    installs the wheel with its extras `[s3,testing]` into a fresh environment and runs the
+    tests against it from a copy of the repository without the source (`nox -s tests`'s
+    selection; `nox -s package -- tests` runs the whole suite, as CI does on 3.12)."""
+    run_installed(session, *(session.posargs or QUICK))
 
 
 @nox.session(python=HERE)
@@ -84,14 +159,15 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
 
 
-@nox.session(python="3.12")
+@nox.session(python=HERE)
 def typecheck(session: nox.Session) -> None:
-    """pyright over the package."""
+    """pyright over the package, against the releases this Python resolves (CI runs it on
+    3.11 and 3.12: the oldest and the newest jax and zarr)."""
     install(session, "typecheck", package=".[s3,testing]")
     session.run("pyright")
 
 
-@nox.session(python="3.12")
+@nox.session(python=HERE)
 def docs(session: nox.Session) -> None:
     """The documentation site (mkdocs-material + mkdocstrings), built strictly into `site/`.
 
@@ -121,14 +197,16 @@ def demo(session: nox.Session) -> None:
     session.run("python", "examples/dqn_cartpole.py", *session.posargs)
 
 
-@nox.session(python="3.12")
+@nox.session(python=HERE)
 def bench(session: nox.Session) -> None:
     """Benchmarks side by side with the peers (ratios, never pass/fail). `-- --quick` for small.
 
     `nox -s bench -- --quick` runs every script at small sizes; `nox -s bench -- core` (or
     `calls`, `prioritised`, `step`, `archive`, `issue6`, `ring_write`, `devices`, `writers`,
     `programs`, `loader`, `epochs`) runs one, with any further arguments passed to it.
-    (`bench_gpu` is not among them: it is for a lent GPU, through `benchmarks/gpu.sh`.)
+    (`bench_gpu` is not among them: it is for a lent GPU, through `benchmarks/gpu.sh`.) The
+    figures in `benchmarks/README.md` come from Python 3.12 and jax 0.12 (`nox
+    --force-python 3.12 -s bench`); on 3.11 the same scripts measure jax 0.10.
     """
     install(session, "bench", package=".[s3]")
     names = [

@@ -1,15 +1,70 @@
+"""Fixtures and settings shared by every test.
+
+Budgets, two hypothesis profiles and one marker:
+
+- profile `full`, the default: every property test runs the `max_examples` it names. `nox -s
+  tests-all` (CI) runs it; `nox -s stateful` runs it with the stateful budgets scaled up
+  (`EQUIBUFFER_STATEFUL_EXAMPLES`).
+- profile `quick` (`--hypothesis-profile quick`, which `nox -s tests` passes): a test written
+  `@settings(max_examples=budget(n))` (`tests/helpers.py`) and every stateful test
+  (`stateful_settings(n)`) runs at most `QUICK_EXAMPLES` examples; a test that names no
+  `max_examples` gets `QUICK_EXAMPLES` too.
+- marker `thorough`: the costliest cases of a statistical or parametrised test, whose cheaper
+  siblings keep proving the same property in the quick session. `nox -s tests` leaves them
+  out (`-m "not slow and not thorough"`); `nox -s tests-all` and CI run them.
+
+Neither profile has a deadline: the first example of each configuration compiles, and a
+shared machine is slow. A new property test: `@settings(max_examples=budget(n),
+deadline=None)`; a new costly case (more than about 10 s on two shared cores): mark it
+`thorough` and keep a cheaper case of the same check unmarked.
+
+`EQUIBUFFER_TEST_INSTALLED=1` (`nox -s package`) refuses an `equibuffer` imported from
+anywhere but site-packages.
+"""
+
 import collections
 import os
+import pathlib
 
 import jax
 import jax.random as jr
 import pytest
+from hypothesis import settings
 
 from .helpers import SEQUENCES, STATEFUL_EXAMPLES
 
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+QUICK_EXAMPLES = 5
+settings.register_profile("full", deadline=None)
+settings.register_profile("quick", deadline=None, max_examples=QUICK_EXAMPLES)
+
+
+# --- Which equibuffer the tests import (`nox -s package` sets INSTALLED) --------------------
+INSTALLED = "EQUIBUFFER_TEST_INSTALLED"
+
+
+def _equibuffer_dir() -> pathlib.Path:
+    import equibuffer
+
+    return pathlib.Path(equibuffer.__file__).resolve().parent
+
+
+def pytest_report_header(config):
+    return f"equibuffer: {_equibuffer_dir()}"
+
+
+def pytest_configure(config):
+    # Here rather than at import: a conftest loaded late must not undo `--hypothesis-profile`.
+    settings.load_profile(config.getoption("hypothesis_profile", None) or "full")
+    if os.environ.get(INSTALLED) and "site-packages" not in _equibuffer_dir().parts:
+        raise pytest.UsageError(
+            f"{INSTALLED} is set but equibuffer was imported from {_equibuffer_dir()}, not "
+            "from an installed package (site-packages): run the tests from a directory "
+            "without the source tree."
+        )
 
 
 @pytest.fixture

@@ -83,11 +83,18 @@ def stateful_scale() -> int:
     return scale
 
 
+def budget(n: int) -> int:
+    """A property test's `max_examples`: `n` under the hypothesis profile `full` (the default,
+    which `nox -s tests-all`, `nox -s stateful` and CI run), at most the `quick` profile's
+    `max_examples` under it (`nox -s tests`). See tests/conftest.py."""
+    return min(n, settings.default.max_examples)
+
+
 def stateful_settings(max_examples: int, stateful_step_count: int | None = None) -> settings:
-    """Settings of a stateful test: `max_examples` (times the scale above), no deadline
-    (the first call of each configuration compiles)."""
+    """Settings of a stateful test: `budget(max_examples)` (times the scale above), no
+    deadline (the first call of each configuration compiles)."""
     kw = {} if stateful_step_count is None else {"stateful_step_count": stateful_step_count}
-    return settings(max_examples=max_examples * stateful_scale(), deadline=None, **kw)
+    return settings(max_examples=budget(max_examples) * stateful_scale(), deadline=None, **kw)
 
 
 def count_sequence(name: str) -> None:

@@ -116,8 +116,23 @@ def carry_on(archive: Archive, buffer: Any, total: int, getkey: Callable) -> Any
 # ------------------------------------------------------------------------------ every kind
 
 
-@pytest.mark.parametrize("adds", [(10,), (10, 17, 13)], ids=["partly-filled", "wrapped"])
-@pytest.mark.parametrize("kind", list(KINDS))
+# The wrapped case of every kind, and the partly filled one of the trajectory buffer, in the
+# quick session; the partly filled case of the other kinds under `thorough`.
+@pytest.mark.parametrize(
+    ("kind", "adds"),
+    [
+        pytest.param(
+            kind,
+            adds,
+            id=f"{kind}-{name}",
+            marks=[pytest.mark.thorough]
+            if name == "partly-filled" and kind != "trajectory"
+            else [],
+        )
+        for name, adds in [("partly-filled", (10,)), ("wrapped", (10, 17, 13))]
+        for kind in KINDS
+    ],
+)
 def test_a_restored_buffer_is_the_buffer_that_received_the_adds(kind, adds, getkey):
     """Restored into a new buffer, every kind holds what the buffer that received the adds
     holds, rule state included (episode flags, trees, valid windows, the largest priority):

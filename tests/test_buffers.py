@@ -10,7 +10,7 @@ from hypothesis.stateful import initialize, invariant, rule
 import equibuffer as eb
 from equibuffer.testing import batches, buffer_configs, BufferReference, filled_buffers
 
-from .helpers import chi_square_pvalue, CountedMachine, stateful_settings
+from .helpers import budget, chi_square_pvalue, CountedMachine, stateful_settings
 from .reference import tags
 
 
@@ -101,7 +101,7 @@ BufferMachine.TestCase.settings = stateful_settings(max_examples=15, stateful_st
 TestBufferMachine = pytest.mark.stateful(BufferMachine.TestCase)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=budget(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(filled_buffers(buffer_configs(UNIFORM, n_step=None, episodes=False), reference=True))
 def test_filled_uniform_buffers_match_the_reference(filled):
     """Any example structure and dtypes, any configuration, filled to any point."""

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 import equibuffer as eb
 from equibuffer import ClusteredBuffer, PrioritisedClusteredBuffer
 
-from .helpers import chi_square_pvalue
+from .helpers import budget, chi_square_pvalue
 
 
 EXAMPLE = {"id": jnp.int32(0), "ret": jnp.float32(0)}
@@ -36,7 +36,7 @@ def _add(buffer, batch):
     return buffer.add(batch)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=budget(15), deadline=None)
 @given(
     rows=st.integers(1, 3),
     cap=st.integers(1, 5),

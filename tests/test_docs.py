@@ -137,8 +137,8 @@ def test_every_page_is_in_the_nav():
 
 
 def test_every_notebook_is_in_the_nav():
-    """Every notebook of `notebooks/` is a page of the site (mkdocs-jupyter mounts the folder
-    at `notebooks/`), listed in the nav; every notebook in the nav exists."""
+    """Every notebook of `notebooks/` is a page of the site (docs/mount_notebooks.py mounts
+    the folder at `notebooks/`), listed in the nav; every notebook in the nav exists."""
     config = (ROOT / "mkdocs.yml").read_text()
     section = re.search(r"^nav:\n((?:[ \t]+.*\n?)*)", config, flags=re.M)
     assert section, "mkdocs.yml has no nav"
@@ -171,7 +171,7 @@ def _message_templates() -> list[str]:
         return None
 
     found = []
-    for path in sorted((ROOT / "equibuffer").rglob("*.py")):
+    for path in sorted(pathlib.Path(eb.__file__).parent.rglob("*.py")):  # the package imported
         tree = ast.parse(path.read_text())
         scopes = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)] + [tree]
         for scope in scopes:

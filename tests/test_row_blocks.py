@@ -132,18 +132,24 @@ def test_sum_tree_block_search_matches_numpy(capacity, blocks):
     tree = eb.SumTree(capacity).set(jnp.arange(capacity), jnp.asarray(values))
     blocks_of = values.reshape(blocks, -1).astype(np.float64)
     np.testing.assert_allclose(tree.block_totals(blocks), blocks_of.sum(1), rtol=1e-5)
-    # Every block's cumulative ranges, probed at their middles, at 0 and at the total.
+    # Every block's cumulative ranges, probed at their middles, at 0 and at the total: block
+    # b's probes in row b, padded with 0.0 (its first positive leaf), searched in one call.
     per = capacity // blocks
+    probes, expected = [], []
     for b in range(blocks):
         running = np.cumsum(blocks_of[b])
         mids = running - blocks_of[b] / 2
-        probe = np.concatenate([mids[blocks_of[b] > 0], [0.0, running[-1], 10 * running[-1]]])
-        leaves, found = tree.search_blocks(jnp.asarray(np.tile(probe, (blocks, 1)), jnp.float32))
-        leaves, found = np.asarray(leaves[b]), np.asarray(found[b])
+        probes.append(
+            np.concatenate([mids[blocks_of[b] > 0], [0.0, running[-1], 10 * running[-1]]])
+        )
         positive = np.flatnonzero(blocks_of[b] > 0) + b * per
-        expected = np.concatenate([positive, [positive[0], positive[-1], positive[-1]]])
-        np.testing.assert_array_equal(leaves, expected)
-        np.testing.assert_array_equal(found, values[expected])
+        expected.append(np.concatenate([positive, [positive[0], positive[-1], positive[-1]]]))
+    width = max(len(p) for p in probes)
+    probe = np.stack([np.pad(p, (0, width - len(p))) for p in probes])
+    want = np.stack([np.pad(e, (0, width - len(e)), constant_values=e[-3]) for e in expected])
+    leaves, found = tree.search_blocks(jnp.asarray(probe, jnp.float32))
+    np.testing.assert_array_equal(np.asarray(leaves), want)
+    np.testing.assert_array_equal(np.asarray(found), values[want])
 
 
 # --- The clustered buffers: block d = the d-th run of every cluster's slots -----------------

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from equibuffer import _sumtree
 from equibuffer._sumtree import _last_of_each, SumTree
 
-from .helpers import chi_square_pvalue, scatters
+from .helpers import budget, chi_square_pvalue, scatters
 
 
 # (fanout, top): the default (a single dense level below 2048 leaves), deep binary and
@@ -78,7 +78,7 @@ _read = eqx.filter_jit(SumTree.read)
 _write_block = eqx.filter_jit(SumTree.write_block)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=budget(25), deadline=None)
 @given(_updates())
 def test_set_get_total_match_numpy(case):
     capacity, layout, batches = case
@@ -104,7 +104,7 @@ def _built(case) -> tuple[SumTree, np.ndarray]:
     return tree, ref
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=budget(15), deadline=None)
 @given(_updates(), st.integers(0, 2**31 - 1))
 def test_find_and_sample_match_numpy(case, seed):
     tree, ref = _built(case)
@@ -138,7 +138,7 @@ def test_find_and_sample_match_numpy(case, seed):
     assert (ref[np.asarray(_find(tree, edge[:capacity]))] > 0).all()
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=budget(20), deadline=None)
 @given(_updates(), st.data())
 def test_write_block_matches_write(case, data):
     # A block of contiguous leaves, wrapping from the last leaf to leaf 0 or not, written
@@ -211,7 +211,7 @@ def _masked_writes(draw):
 _write = eqx.filter_jit(SumTree.write)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=budget(25), deadline=None)
 @given(_masked_writes())
 def test_write_with_repeated_indices_matches_numpy(case):
     """`write` with and without a mask: the last entry not skipped wins for every leaf, with
@@ -233,7 +233,7 @@ def test_write_with_repeated_indices_matches_numpy(case):
                 _check_against(tree, ref)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=budget(50), deadline=None)
 @given(
     st.lists(st.integers(0, 5), min_size=1, max_size=12).flatmap(
         lambda xs: st.tuples(

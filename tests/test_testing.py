@@ -41,6 +41,8 @@ from equibuffer.testing import (
     WindowView,
 )
 
+from .helpers import budget
+
 
 ROOT = pathlib.Path(__file__).parent.parent
 SLOW = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
@@ -96,7 +98,7 @@ def test_the_testing_extra_installs_hypothesis():
 # --- leaves and examples ----------------------------------------------------------------------
 
 
-@settings(max_examples=30, database=None)
+@settings(max_examples=budget(30), database=None)
 @given(leaves(), leaves(shape=(2, 5), dtype=jnp.uint8), leaves(dtype=st.just(jnp.float16)))
 def test_leaves_draw_zero_arrays_of_the_shape_and_dtype(anything, chosen, half):
     assert isinstance(anything, jax.Array) and anything.ndim <= 2
@@ -105,7 +107,7 @@ def test_leaves_draw_zero_arrays_of_the_shape_and_dtype(anything, chosen, half):
     assert half.dtype == jnp.float16
 
 
-@settings(max_examples=40, database=None, deadline=None)
+@settings(max_examples=budget(40), database=None, deadline=None)
 @given(examples(min_leaves=2, max_leaves=5))
 def test_random_examples_build_a_buffer(example):
     assert isinstance(example, dict)
@@ -125,7 +127,7 @@ def test_random_examples_are_sometimes_nested_and_never_when_told():
     )
     assert len(jax.tree.leaves(nested)) >= 3
 
-    @settings(max_examples=20, database=None)
+    @settings(max_examples=budget(20), database=None)
     @given(examples(nested=False, max_leaves=3))
     def flat(example):
         assert all(isinstance(v, jax.Array) for v in example.values())
@@ -139,7 +141,7 @@ class Step(eqx.Module):
     action: jax.Array
 
 
-@settings(max_examples=20, database=None)
+@settings(max_examples=budget(20), database=None)
 @given(
     examples({"obs": leaves(shape=(4,)), "done": jax.ShapeDtypeStruct((), jnp.bool_)}),
     examples(Step(obs=leaves(dtype=jnp.float32), action=jnp.int32(0))),  # pyright: ignore
@@ -183,7 +185,7 @@ def test_every_kind_is_drawn_and_builds(kind):
     assert buffer.capacity >= config.kwargs["capacity"]
 
 
-@settings(max_examples=60, deadline=None, database=None)
+@settings(max_examples=budget(60), deadline=None, database=None)
 @given(buffer_configs())
 def test_configs_are_sized_by_capacity_only_and_build(config):
     assert isinstance(config, BufferConfig)
@@ -266,7 +268,7 @@ def test_buffer_config_repr_reads_like_the_call():
     assert pretty(config) == repr(config)  # how Hypothesis reports a failing example
 
 
-@settings(max_examples=20, deadline=None, database=None)
+@settings(max_examples=budget(20), deadline=None, database=None)
 @given(buffers([eb.PrioritisedItemBuffer, eb.Queue], add_batch_size=2))
 def test_buffers_draw_built_empty_buffers(buffer):
     assert isinstance(buffer, eb.PrioritisedItemBuffer | eb.Queue)
@@ -276,7 +278,7 @@ def test_buffers_draw_built_empty_buffers(buffer):
 # --- batches ----------------------------------------------------------------------------------
 
 
-@settings(SLOW, max_examples=25)
+@settings(SLOW, max_examples=budget(25))
 @given(st.data())
 def test_batches_fit_the_buffer(data):
     buffer = data.draw(buffers(), label="buffer")
@@ -293,7 +295,7 @@ def test_batches_for_a_queue_fit_its_room_and_refuse_a_full_one():
     queue = eb.Queue({"x": jnp.float32(0)}, add_batch_size=1, capacity=4, sequence_length=2)
     queue = queue.add({"x": jnp.zeros((1, 3))})
 
-    @settings(max_examples=20, database=None)
+    @settings(max_examples=budget(20), database=None)
     @given(batches(queue))
     def room(batch):
         assert queue.steps_in(batch) in (None, 1)
@@ -314,7 +316,7 @@ def test_batches_take_steps_and_elements():
     def elements(dtype):
         return st.just(np.ones((), dtype)[()])
 
-    @settings(max_examples=10, database=None)
+    @settings(max_examples=budget(10), database=None)
     @given(batches(buffer, steps=5, elements=elements))
     def fixed(batch):
         assert batch["obs"].shape == (3, 5, 2) and batch["obs"].dtype == jnp.float16
@@ -323,7 +325,7 @@ def test_batches_take_steps_and_elements():
     fixed()
 
 
-@settings(max_examples=30, database=None, deadline=None)
+@settings(max_examples=budget(30), database=None, deadline=None)
 @given(
     batches(eb.ItemBuffer({"f": jnp.float32(0), "i": jnp.int8(0)}, add_batch_size=8, capacity=8))
 )
@@ -362,14 +364,14 @@ def _sample(buffer, key):
     return buffer.sample(key, 16)
 
 
-@settings(SLOW, max_examples=50)
+@settings(SLOW, max_examples=budget(50))
 @given(filled_buffers(reference=True), st.integers(0, 2**31 - 1))
 def test_filled_buffers_agree_with_their_reference(filled, seed):
     buffer, reference = filled
     _agrees(buffer, reference, jax.random.key(seed))
 
 
-@settings(SLOW, max_examples=10)
+@settings(SLOW, max_examples=budget(10))
 @given(filled_buffers(buffers(eb.ItemBuffer, add_batch_size=2), adds=3, steps=1))
 def test_filled_buffers_take_adds_and_steps(buffer):
     assert isinstance(buffer, eb.ItemBuffer)
@@ -379,7 +381,7 @@ def test_filled_buffers_take_adds_and_steps(buffer):
 def test_filled_queues_stop_when_full():
     queue = eb.Queue({"x": jnp.int32(0)}, add_batch_size=1, capacity=3, sequence_length=1)
 
-    @settings(SLOW, max_examples=10)
+    @settings(SLOW, max_examples=budget(10))
     @given(filled_buffers(queue, adds=6, reference=True))
     def full(filled):
         queue, reference = filled

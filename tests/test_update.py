@@ -8,6 +8,8 @@ from hypothesis import given, settings
 
 import equibuffer as eb
 
+from .helpers import budget
+
 
 def _example():
     return {"obs": jnp.zeros(2, jnp.float32), "reward": jnp.float32(0), "id": jnp.int32(0)}
@@ -27,7 +29,7 @@ def _update(buffer):
     return buffer.update(_relabel)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=budget(20), deadline=None)
 @given(
     rows=st.integers(1, 3),
     length=st.integers(2, 6),

@@ -66,7 +66,7 @@ class LeafIO:
 
     def encode(self, x: np.ndarray) -> Any:
         x = np.ascontiguousarray(x, self.dtype)
-        return memoryview(x).cast("B") if self.codec is None else self.codec.encode(x)
+        return x.data.cast("B") if self.codec is None else self.codec.encode(x)
 
 
 def _fields(io: LeafIO, objects: Objects, leaf: Leaf, chunk_steps: int, codec: Any, sep: str):

@@ -310,14 +310,15 @@ class Objects:
         requests = [SuffixByteRequest(-a) if a < 0 else RangeByteRequest(a, b) for a, b in ranges]
         proto = default_buffer_prototype()
         got: list[Any] = [None] * len(requests)
+        store: Any = self.store  # `get_ranges(_sync)` came in zarr 3.2 (Python 3.11 gets 3.1)
         try:
-            if self.sync_io and hasattr(self.store, "get_ranges_sync"):
-                for i, buf in self.store.get_ranges_sync(key, requests, prototype=proto):
+            if self.sync_io and hasattr(store, "get_ranges_sync"):
+                for i, buf in store.get_ranges_sync(key, requests, prototype=proto):
                     got[i] = buf
-            elif hasattr(self.store, "get_ranges"):
+            elif hasattr(store, "get_ranges"):
 
                 async def fetch() -> None:
-                    async for group in self.store.get_ranges(key, requests, prototype=proto):
+                    async for group in store.get_ranges(key, requests, prototype=proto):
                         for i, buf in group:
                             got[i] = buf
 

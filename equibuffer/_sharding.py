@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ._buffers._rules import EpisodeEnds, PrioritisedEpisodic
+from ._buffers._episode_ends import EpisodeEnds
+from ._buffers._rules import PrioritisedEpisodic
 from ._cluster import ClusterStorage
 from ._ring import RingStorage
 

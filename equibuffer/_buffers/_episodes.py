@@ -17,14 +17,13 @@ from .._custom_types import ExampleTree
 from .._ring import RingStorage
 from .._sumtree import SumTree
 from ._base import AbstractUniformBuffer
+from ._episode_ends import EpisodeEnd, Mode
 from ._prioritised import AbstractPrioritisedBuffer
 from ._rules import (
     AbstractPrioritisedRule,
     AbstractUniformRule,
-    EpisodeEnd,
     Episodic,
     episodic,
-    Mode,
     prioritised_episodic,
     PrioritisedEpisodic,
 )

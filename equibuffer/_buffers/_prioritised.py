@@ -13,17 +13,9 @@ from .._protocol import AbstractPrioritisedSource
 from .._ring import RingStorage
 from .._sumtree import SumTree
 from ._base import AbstractBuffer
-from ._rules import (
-    AbstractPrioritisedRule,
-    check_beta,
-    check_priority_update,
-    EpisodeEnd,
-    Mode,
-    prioritised,
-    prioritised_episodic,
-    set_by_priority,
-    update_target,
-)
+from ._episode_ends import EpisodeEnd, Mode
+from ._priorities import check_beta, check_priority_update, set_by_priority, update_target
+from ._rules import AbstractPrioritisedRule, prioritised, prioritised_episodic
 from ._samples import PrioritisedEpisodeSample, PrioritisedSample as PrioritisedSample, Sample
 from ._sizes import configure, SizeArgs
 from ._transition import transition_view

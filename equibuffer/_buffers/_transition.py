@@ -5,7 +5,8 @@ from .._custom_types import ExampleTree
 from .._nstep import check_discount, check_leaves, check_n_step
 from .._ring import RingStorage
 from ._base import AbstractUniformBuffer
-from ._rules import AbstractUniformRule, EpisodeEnd, Episodic, episodic, Mode, UNIFORM
+from ._episode_ends import EpisodeEnd, Mode
+from ._rules import AbstractUniformRule, Episodic, episodic, UNIFORM
 from ._sizes import configure, SizeArgs
 from ._views import AbstractView, NStepView, PairView
 

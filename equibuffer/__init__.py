@@ -25,10 +25,11 @@ from ._buffers._episodes import (
     PrioritisedEpisodeTrajectoryBuffer as PrioritisedEpisodeTrajectoryBuffer,
 )
 from ._buffers._epochs import Epoch as Epoch
-from ._buffers._generic import Buffer as Buffer, PrioritisedBuffer as PrioritisedBuffer
+from ._buffers._generic import Buffer as Buffer
 from ._buffers._item import ItemBuffer as ItemBuffer
 from ._buffers._prioritised import (
     AbstractPrioritisedBuffer as AbstractPrioritisedBuffer,
+    PrioritisedBuffer as PrioritisedBuffer,
     PrioritisedItemBuffer as PrioritisedItemBuffer,
     PrioritisedSample as PrioritisedSample,
     PrioritisedTrajectoryBuffer as PrioritisedTrajectoryBuffer,

@@ -7,7 +7,8 @@ named buffers share, in `_base.py` and `_prioritised.py`: a combination no named
 behaves as the named ones do.
 """
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, TypeAlias
 
 import equinox as eqx
 import jax
@@ -16,10 +17,14 @@ from .._checks import refuse_flashbax_only
 from .._custom_types import ExampleTree
 from .._ring import RingStorage
 from ._base import AbstractUniformBuffer
-from ._prioritised import AbstractPrioritisedBuffer
-from ._rules import AbstractPrioritisedRule, AbstractRule, AbstractUniformRule, UNIFORM
+from ._rules import AbstractRule, AbstractUniformRule, UNIFORM
 from ._sizes import configure, SizeArgs
 from ._views import AbstractView
+
+
+# A part, or (for the named buffers, whose arguments are checked against the example with
+# their own messages) a function of the sized ring that builds it.
+_Part: TypeAlias = AbstractRule | AbstractView | Callable[[RingStorage], object]
 
 
 class Composed(NamedTuple):
@@ -37,32 +42,41 @@ def compose(
     example: ExampleTree,
     add_batch_size: int,
     sizes: SizeArgs,
-    rule: AbstractRule,
-    view: AbstractView,
+    rule: _Part,
+    view: _Part,
     *,
     period: int = 1,
     flat: bool = False,
 ) -> Composed:
     """The ring sized by `sizes`, `view` checked against it, `rule` sized to it, and the
-    steps per row before sampling (errors start with `where`)."""
-    if not isinstance(view, AbstractView):
-        raise TypeError(
-            f"{where}: `view` must be an equibuffer.views.AbstractView (e.g. "
-            f"`eb.views.WindowView(sequence_length)`), got {type(view).__name__}."
-        )
-    storage, view, period, minimum = configure(
-        where,
-        example,
-        add_batch_size,
-        sizes,
-        lambda storage: view.checked(where, storage),
-        flat=flat,
-        period=period,
+    steps per row before sampling (errors start with `where`). `rule` and `view` may be
+    functions of the ring that build them (the named buffers' arguments, checked there)."""
+
+    def built(part: _Part, kind: type, name: str, storage: RingStorage) -> object:
+        made: object = part
+        if not isinstance(part, AbstractRule | AbstractView) and callable(part):
+            made = part(storage)
+        if not isinstance(made, kind):
+            raise TypeError(
+                f"{where}: `{name}` must be an equibuffer.{name}s.{kind.__name__}, got "
+                f"{type(made).__name__}."
+            )
+        return made
+
+    def checked_view(storage: RingStorage) -> AbstractView:
+        part = built(view, AbstractView, "view", storage)
+        assert isinstance(part, AbstractView)
+        return part.checked(where, storage)
+
+    storage, checked, period, minimum = configure(
+        where, example, add_batch_size, sizes, checked_view, flat=flat, period=period
     )
-    return Composed(storage, rule.sized(where, storage), view, period, minimum)
+    sized = built(rule, AbstractRule, "rule", storage)
+    assert isinstance(sized, AbstractRule)
+    return Composed(storage, sized.sized(where, storage), checked, period, minimum)
 
 
-def _check_rule(where: str, rule: object, kind: type, use: str) -> None:
+def check_rule(where: str, rule: object, kind: type, use: str) -> None:
     if not isinstance(rule, kind):
         got = type(rule).__name__
         if isinstance(rule, AbstractRule):
@@ -159,11 +173,10 @@ class Buffer(AbstractUniformBuffer):
             names for a flat buffer's totals: here `capacity` and `min_size`).
         """
         where = "Buffer()"
-        _check_rule(where, rule, AbstractUniformRule, "eb.PrioritisedBuffer")
+        check_rule(where, rule, AbstractUniformRule, "eb.PrioritisedBuffer")
         parts = compose(where, example, add_batch_size, SizeArgs.of(locals()), rule, view,
                         period=period)  # fmt: skip
-        self.storage, _, self.view, self.period, self.min_length_time_axis = parts
-        self.static_rule, self.dynamic_rule = split_rule(parts.rule)
+        init_buffer(self, parts)
 
     @property
     def rule(self) -> AbstractUniformRule:  # pyright: ignore[reportIncompatibleVariableOverride]
@@ -173,77 +186,13 @@ class Buffer(AbstractUniformBuffer):
         return rule
 
 
-def split_rule(
-    rule: AbstractRule,
-) -> tuple[AbstractUniformRule | None, AbstractUniformRule | None]:
-    """`(static, dynamic)`: a uniform rule without arrays as static configuration, one with
-    arrays as a pytree field."""
+def init_buffer(buffer: Buffer, parts: Composed) -> None:
+    """Set the fields of a `Buffer` (or a named one) being initialised: a uniform rule
+    without arrays as static configuration, one with arrays as a pytree field."""
+    rule = parts.rule
     assert isinstance(rule, AbstractUniformRule)
-    return (rule, None) if not jax.tree.leaves(rule) else (None, rule)
-
-
-class PrioritisedBuffer(AbstractPrioritisedBuffer):
-    """A buffer composed of parts whose rule draws by priority: a ring, a prioritised rule
-    ([`equibuffer.rules.Prioritised`][] or [`equibuffer.rules.PrioritisedEpisodic`][]) and
-    any view. `sample` returns probabilities and importance weights, and `set_priorities`
-    updates the sampled windows, as for the named prioritised buffers (which are such
-    compositions: `PrioritisedTrajectoryBuffer` is `rule=Prioritised(alpha)` with
-    `view=WindowView(sequence_length)`).
-
-    !!! example
-
-        ```python
-        import equibuffer as eb, jax, jax.numpy as jnp
-
-        # prioritised, episode-aware windows of 3 steps starting every 2 steps
-        example = {"obs": jnp.zeros(2), "done": jnp.bool_(False)}
-        buffer = eb.PrioritisedBuffer(example, add_batch_size=1, capacity=32, period=2,
-                                      rule=eb.rules.PrioritisedEpisodic(episode_end="done"),
-                                      view=eb.views.WindowView(3))
-        done = jnp.zeros((1, 12), bool).at[:, 7].set(True)
-        buffer = buffer.add({"obs": jnp.ones((1, 12, 2)), "done": done})
-        assert int(buffer.num_valid_windows()) == 4  # starts 0, 2, 4 and 8
-        sample = buffer.sample(jax.random.key(0), batch_size=8, beta=0.4)
-        buffer = buffer.set_priorities(sample, jnp.arange(1.0, 9.0))
-        ```
-    """
-
-    storage: RingStorage
-    rule: AbstractPrioritisedRule
-    view: AbstractView = eqx.field(static=True)
-    period: int = eqx.field(static=True)
-    min_length_time_axis: int = eqx.field(static=True)
-
-    @refuse_flashbax_only
-    def __init__(
-        self,
-        example: ExampleTree,
-        *,
-        add_batch_size: int,
-        view: AbstractView,
-        rule: AbstractRule,
-        period: int = 1,
-        capacity: int | None = None,
-        max_size: int | None = None,
-        max_length: int | None = None,
-        max_length_time_axis: int | None = None,
-        min_size: int | None = None,
-        min_length: int | None = None,
-        min_length_time_axis: int | None = None,
-    ):
-        """**Arguments:**
-
-        - `example`, `add_batch_size`, `view`, `period`, the sizes: as for
-            [`equibuffer.Buffer`][].
-        - `rule`: an [`equibuffer.rules.AbstractPrioritisedRule`][]:
-            [`equibuffer.rules.Prioritised`][]`(alpha)`, or
-            [`equibuffer.rules.PrioritisedEpisodic`][]`(episode_end, mode, alpha)`. A rule
-            that draws uniformly takes an [`equibuffer.Buffer`][].
-        """
-        where = "PrioritisedBuffer()"
-        _check_rule(where, rule, AbstractPrioritisedRule, "eb.Buffer")
-        parts = compose(where, example, add_batch_size, SizeArgs.of(locals()), rule, view,
-                        period=period)  # fmt: skip
-        self.storage, rule, self.view, self.period, self.min_length_time_axis = parts
-        assert isinstance(rule, AbstractPrioritisedRule)
-        self.rule = rule
+    buffer.storage, buffer.view, buffer.period = parts.storage, parts.view, parts.period
+    buffer.min_length_time_axis = parts.min_length_time_axis
+    buffer.static_rule, buffer.dynamic_rule = (
+        (None, rule) if jax.tree.leaves(rule) else (rule, None)
+    )

@@ -264,3 +264,30 @@ def test_the_generic_buffers_refuse_the_wrong_parts():
         eb.Buffer(EXAMPLE, add_batch_size=1, capacity=4, view=eb.views.NStepView(4, 0.9))
     with pytest.raises(TypeError, match=r"`max_length` is not taken here"):
         eb.Buffer(EXAMPLE, add_batch_size=1, max_length=8, view=eb.views.ItemView())
+
+
+def test_a_composed_buffer_survives_an_archive_restore(tmp_path):
+    """Written to an archive and restored into a fresh buffer of the same parts: the episode
+    flags are rebuilt and it samples as a buffer that received the same adds."""
+    make = lambda: eb.PrioritisedBuffer(  # noqa: E731
+        EXAMPLE, add_batch_size=2, max_length_time_axis=16, period=2,
+        rule=eb.rules.PrioritisedEpisodic(episode_end="terminated", alpha=1.0),
+        view=eb.views.NStepView(n=2, discount=0.5),
+    )  # fmt: skip
+    buffer = make()
+    reference = BufferReference.from_buffer(buffer)
+    batch = _batch(2, 0, _episodes(2, 11, [5]))
+    buffer, _ = buffer.add(batch), reference.add(batch)
+    path = str(tmp_path / "composed.zarr")
+    with eb.Archive(path, buffer, progress=False) as archive:
+        archive.write(buffer)
+    with eb.Archive(path, make(), progress=False) as archive:
+        restored = archive.restore(make(), priority=2.0)
+    assert int(restored.steps_added()) == 11
+    assert int(restored.num_valid_windows()) == len(reference.valid())
+    sample = restored.sample(jax.random.key(3), 64, beta=0.5)
+    reference.check_sample(sample, beta=0.5)  # every restored window at one priority
+    assert float(restored.max_priority) == 2.0
+    restored = restored.set_priorities(sample, jnp.linspace(1.0, 4.0, 64))
+    restored = restored.add(_batch(2, 11, _episodes(2, 1, [])))
+    assert int(restored.steps_added()) == 12

@@ -291,3 +291,17 @@ def test_a_composed_buffer_survives_an_archive_restore(tmp_path):
     restored = restored.set_priorities(sample, jnp.linspace(1.0, 4.0, 64))
     restored = restored.add(_batch(2, 11, _episodes(2, 1, [])))
     assert int(restored.steps_added()) == 12
+
+
+def test_each_rule_declares_the_leaves_shard_rows_splits():
+    storage = eb.RingStorage(EXAMPLE, rows=3, length=8)
+    rules = [
+        (eb.rules.Uniform(), 0),
+        (eb.rules.Prioritised(0.5), 0),
+        (eb.rules.Episodic("terminated"), 1),
+        (eb.rules.PrioritisedEpisodic("terminated"), 2),
+    ]
+    for rule, count in rules:
+        leaves = rule.sized("test", storage).row_leaves()
+        assert len(leaves) == count, rule
+        assert all(x.shape == (3, 8) for x in leaves), rule

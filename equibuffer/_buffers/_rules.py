@@ -76,6 +76,8 @@ class AbstractRule(eqx.Module):
         that was replaced (`restored=True`: `with_storage`, `Archive.restore`/`load`);
     - `mask`, `count_valid`, `valid_starts`: episode masks, what `num_valid_windows` and an
         epoch see;
+    - `row_leaves`: its arrays with one entry per row, which `shard_rows` splits with the
+        rows;
     - `draw` (in [`equibuffer.rules.AbstractUniformRule`][] and
         [`equibuffer.rules.AbstractPrioritisedRule`][]).
 
@@ -100,6 +102,12 @@ class AbstractRule(eqx.Module):
     def sized(self: _Rule, where: str, storage: RingStorage) -> _Rule:
         """This rule with its state allocated for `storage`, a ring with nothing added, and
         its configuration checked against the ring's example (errors start with `where`)."""
+
+    @abc.abstractmethod
+    def row_leaves(self) -> tuple[Array, ...]:
+        """The arrays of the rule with one entry per row of the ring (leading axis `rows`):
+        [`equibuffer.shard_rows`][] splits them over the devices with the rows, and
+        replicates every other array of the rule (sum trees, counters)."""
 
     @abc.abstractmethod
     def added(self, storage: RingStorage, appended: Appended, window: Window) -> Any:
@@ -241,6 +249,9 @@ class Uniform(AbstractUniformRule):
     def sized(self, where: str, storage: RingStorage) -> "Uniform":
         return self
 
+    def row_leaves(self) -> tuple[Array, ...]:
+        return ()
+
     def added(self, storage: RingStorage, appended: Appended, window: Window) -> "Uniform":
         return self
 
@@ -333,6 +344,9 @@ class Episodic(AbstractUniformRule):
         episodes = new_episode_ends(where, storage, e.episode_end, e.mode)
         tree = SumTree(storage.rows * storage.length)
         return eqx.tree_at(lambda r: (r.episodes, r.tree), self, (episodes, tree))
+
+    def row_leaves(self) -> tuple[Array, ...]:
+        return (self.episodes.ends,)
 
     def _rated(
         self, storage: RingStorage, episodes: EpisodeEnds, offsets: Int[Array, " m"], window: Window
@@ -445,6 +459,9 @@ class Prioritised(AbstractPrioritisedRule):
         return Prioritised(check_alpha(where, self.alpha)).with_priorities(
             SumTree(storage.rows * storage.length), jnp.array(1.0, jnp.float32)
         )
+
+    def row_leaves(self) -> tuple[Array, ...]:
+        return ()
 
     def added(self, storage: RingStorage, appended: Appended, window: Window) -> "Prioritised":
         # Every window among the changed starts was incomplete or not held before the add
@@ -579,6 +596,9 @@ class PrioritisedEpisodic(AbstractPrioritisedRule):
         valid = jnp.zeros((storage.rows, storage.length), jnp.bool_)
         tree = SumTree(storage.rows * storage.length)
         return eqx.tree_at(lambda r: (r.episodes, r.valid, r.tree), rule, (episodes, valid, tree))
+
+    def row_leaves(self) -> tuple[Array, ...]:
+        return (self.episodes.ends, self.valid)
 
     def _rated(
         self,

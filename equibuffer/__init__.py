@@ -1,5 +1,6 @@
 """equibuffer: experience-replay buffers for JAX as immutable Equinox modules."""
 
+from . import rules as rules, views as views
 from ._archive import (
     Archive as Archive,
     ArchiveLoader as ArchiveLoader,
@@ -24,9 +25,11 @@ from ._buffers._episodes import (
     PrioritisedEpisodeTrajectoryBuffer as PrioritisedEpisodeTrajectoryBuffer,
 )
 from ._buffers._epochs import Epoch as Epoch
+from ._buffers._generic import Buffer as Buffer
 from ._buffers._item import ItemBuffer as ItemBuffer
 from ._buffers._prioritised import (
     AbstractPrioritisedBuffer as AbstractPrioritisedBuffer,
+    PrioritisedBuffer as PrioritisedBuffer,
     PrioritisedItemBuffer as PrioritisedItemBuffer,
     PrioritisedSample as PrioritisedSample,
     PrioritisedTrajectoryBuffer as PrioritisedTrajectoryBuffer,

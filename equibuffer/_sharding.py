@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ._buffers._rules import EpisodeEnds, PrioritisedEpisodic
+from ._buffers._rules import AbstractRule
 from ._cluster import ClusterStorage
 from ._ring import RingStorage
 
@@ -77,9 +77,8 @@ def shard_rows(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
     parts: dict[type, tuple[Callable[[Any], Any], NamedSharding]] = {
         RingStorage: (lambda s: s.data, split),
         ClusterStorage: (lambda s: s.data, slots),
-        # The `(rows, length)` flags of the episode rules (episode ends, valid windows).
-        EpisodeEnds: (lambda e: e.ends, split),
-        PrioritisedEpisodic: (lambda r: r.valid, split),
+        # What each rule declares has one entry per row (episode ends, valid windows).
+        AbstractRule: (lambda r: r.row_leaves(), split),
     }
 
     def place(node: object) -> object:

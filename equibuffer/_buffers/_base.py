@@ -12,19 +12,13 @@ from .._custom_types import BoolScalar, ExperienceBatch, IntScalar, StepCount
 from .._errors import branched_error_if, error_if, record, recorded
 from .._protocol import AbstractReplayBuffer
 from .._ring import check_like, RingStorage
+from ._episode_ends import EpisodeEnds
 from ._epochs import Epoch, epoch_batch_windows, plan_epoch, still_held
-from ._rules import (
-    AbstractPrioritisedRule,
-    AbstractRule,
-    AbstractUniformRule,
-    check_priority,
-    count_held,
-    Drawn,
-    EpisodeEnds,
-    Window,
-)
+from ._priorities import check_priority
+from ._rules import AbstractPrioritisedRule, AbstractRule, AbstractUniformRule, count_held
 from ._samples import EpisodeSample, Sample, Transition as Transition
 from ._views import AbstractView, gather_by_blocks
+from ._window import Drawn, Window
 
 
 _Buffer = TypeVar("_Buffer", bound="AbstractBuffer")

@@ -9,31 +9,21 @@ touches `add_batch_size * min(T + sequence_length - 1, max_length_time_axis)` le
 loop.
 """
 
-import equinox as eqx
 from jaxtyping import Array, Bool, Int
 
 from .._checks import refuse_flashbax_only
 from .._custom_types import ExampleTree
-from .._ring import RingStorage
 from .._sumtree import SumTree
-from ._base import AbstractUniformBuffer
-from ._prioritised import AbstractPrioritisedBuffer
-from ._rules import (
-    AbstractPrioritisedRule,
-    AbstractUniformRule,
-    EpisodeEnd,
-    Episodic,
-    episodic,
-    Mode,
-    prioritised_episodic,
-    PrioritisedEpisodic,
-)
+from ._episode_ends import EpisodeEnd, Mode
+from ._generic import Buffer, compose, init_buffer
+from ._prioritised import init_prioritised, PrioritisedBuffer
+from ._rules import Episodic, episodic, prioritised_episodic, PrioritisedEpisodic
 from ._samples import (
     EpisodeSample as EpisodeSample,
     PrioritisedEpisodeSample as PrioritisedEpisodeSample,
 )
-from ._sizes import configure, SizeArgs
-from ._views import AbstractView, window_view
+from ._sizes import SizeArgs
+from ._views import window_view
 
 
 def _episodic(rule: object) -> "Episodic | PrioritisedEpisodic":
@@ -46,7 +36,7 @@ def _prioritised_episodic(rule: object) -> PrioritisedEpisodic:
     return rule
 
 
-class EpisodeTrajectoryBuffer(AbstractUniformBuffer):
+class EpisodeTrajectoryBuffer(Buffer):
     """A [`equibuffer.TrajectoryBuffer`][] whose windows stay inside one episode.
 
     `episode_end` marks the last step of an episode (termination and truncation both end
@@ -96,13 +86,10 @@ class EpisodeTrajectoryBuffer(AbstractUniformBuffer):
         # no episode end before the last step of any window
         assert not sample.experience["done"][:, :-1].any()
         ```
-    """
 
-    storage: RingStorage
-    rule: AbstractUniformRule
-    view: AbstractView = eqx.field(static=True)
-    period: int = eqx.field(static=True)
-    min_length_time_axis: int = eqx.field(static=True)
+    It is [`equibuffer.Buffer`][] with `rule=Episodic(episode_end, mode)` and
+    `view=WindowView(sequence_length)`.
+    """
 
     @refuse_flashbax_only
     def __init__(
@@ -136,11 +123,10 @@ class EpisodeTrajectoryBuffer(AbstractUniformBuffer):
         """
         where = "EpisodeTrajectoryBuffer()"
         sizes = SizeArgs.of(locals())
-        self.storage, self.view, self.period, self.min_length_time_axis = configure(
-            where, example, add_batch_size, sizes, lambda _: window_view(where, sequence_length),
-            flat=False, period=period,
-        )  # fmt: skip
-        self.rule = episodic(where, self.storage, episode_end, mode)
+        view = lambda _: window_view(where, sequence_length)  # noqa: E731
+        rule = lambda storage: episodic(where, storage, episode_end, mode)  # noqa: E731
+        init_buffer(self, compose(where, example, add_batch_size, sizes, rule, view,
+                                  period=period))  # fmt: skip
 
     @property
     def tree(self) -> SumTree:
@@ -158,7 +144,7 @@ class EpisodeTrajectoryBuffer(AbstractUniformBuffer):
         return _episodic(self.rule).episodes.mode
 
 
-class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
+class PrioritisedEpisodeTrajectoryBuffer(PrioritisedBuffer):
     """An [`equibuffer.EpisodeTrajectoryBuffer`][] that draws its valid windows in proportion
     to their priority: window `i` with probability `p_i**alpha / sum_k p_k**alpha`, the sum
     over the windows valid by the episode rule (`mode="never_cross"` or `"pad"`, exactly as
@@ -193,13 +179,10 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
         td_error = jnp.arange(16.0)
         buffer = buffer.set_priorities(sample, jnp.abs(td_error) + 1e-3)
         ```
-    """
 
-    storage: RingStorage
-    rule: AbstractPrioritisedRule
-    view: AbstractView = eqx.field(static=True)
-    period: int = eqx.field(static=True)
-    min_length_time_axis: int = eqx.field(static=True)
+    It is [`equibuffer.PrioritisedBuffer`][] with
+    `rule=PrioritisedEpisodic(episode_end, mode, alpha)` and `view=WindowView(sequence_length)`.
+    """
 
     @refuse_flashbax_only
     def __init__(
@@ -230,11 +213,12 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
         """
         where = "PrioritisedEpisodeTrajectoryBuffer()"
         sizes = SizeArgs.of(locals())
-        self.storage, self.view, self.period, self.min_length_time_axis = configure(
-            where, example, add_batch_size, sizes, lambda _: window_view(where, sequence_length),
-            flat=False, period=period,
-        )  # fmt: skip
-        self.rule = prioritised_episodic(where, self.storage, episode_end, mode, alpha)
+        view = lambda _: window_view(where, sequence_length)  # noqa: E731
+        rule = lambda storage: prioritised_episodic(  # noqa: E731
+            where, storage, episode_end, mode, alpha
+        )
+        init_prioritised(self, compose(where, example, add_batch_size, sizes, rule, view,
+                                       period=period))  # fmt: skip
 
     @property
     def ends(self) -> Bool[Array, "rows length"]:

@@ -13,19 +13,12 @@ from .._protocol import AbstractPrioritisedSource
 from .._ring import RingStorage
 from .._sumtree import SumTree
 from ._base import AbstractBuffer
-from ._rules import (
-    AbstractPrioritisedRule,
-    check_beta,
-    check_priority_update,
-    EpisodeEnd,
-    Mode,
-    prioritised,
-    prioritised_episodic,
-    set_by_priority,
-    update_target,
-)
+from ._episode_ends import EpisodeEnd, Mode
+from ._generic import check_rule, compose, Composed
+from ._priorities import check_beta, check_priority_update, set_by_priority, update_target
+from ._rules import AbstractPrioritisedRule, AbstractRule, prioritised, prioritised_episodic
 from ._samples import PrioritisedEpisodeSample, PrioritisedSample as PrioritisedSample, Sample
-from ._sizes import configure, SizeArgs
+from ._sizes import SizeArgs
 from ._transition import transition_view
 from ._views import AbstractView, ItemView, window_view
 
@@ -221,7 +214,79 @@ class AbstractPrioritisedBuffer(AbstractBuffer, AbstractPrioritisedSource):
         return eqx.tree_at(lambda b: b.rule, self, rule)
 
 
-class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
+class PrioritisedBuffer(AbstractPrioritisedBuffer):
+    """A buffer composed of parts whose rule draws by priority: a ring, a prioritised rule
+    ([`equibuffer.rules.Prioritised`][] or [`equibuffer.rules.PrioritisedEpisodic`][]) and
+    any view. `sample` returns probabilities and importance weights, and `set_priorities`
+    updates the sampled windows, as for the named prioritised buffers (which are such
+    compositions: `PrioritisedTrajectoryBuffer` is `rule=Prioritised(alpha)` with
+    `view=WindowView(sequence_length)`).
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        # prioritised, episode-aware windows of 3 steps starting every 2 steps
+        example = {"obs": jnp.zeros(2), "done": jnp.bool_(False)}
+        buffer = eb.PrioritisedBuffer(example, add_batch_size=1, capacity=32, period=2,
+                                      rule=eb.rules.PrioritisedEpisodic(episode_end="done"),
+                                      view=eb.views.WindowView(3))
+        done = jnp.zeros((1, 12), bool).at[:, 7].set(True)
+        buffer = buffer.add({"obs": jnp.ones((1, 12, 2)), "done": done})
+        assert int(buffer.num_valid_windows()) == 4  # starts 0, 2, 4 and 8
+        sample = buffer.sample(jax.random.key(0), batch_size=8, beta=0.4)
+        buffer = buffer.set_priorities(sample, jnp.arange(1.0, 9.0))
+        ```
+    """
+
+    storage: RingStorage
+    rule: AbstractPrioritisedRule
+    view: AbstractView = eqx.field(static=True)
+    period: int = eqx.field(static=True)
+    min_length_time_axis: int = eqx.field(static=True)
+
+    @refuse_flashbax_only
+    def __init__(
+        self,
+        example: ExampleTree,
+        *,
+        add_batch_size: int,
+        view: AbstractView,
+        rule: AbstractRule,
+        period: int = 1,
+        capacity: int | None = None,
+        max_size: int | None = None,
+        max_length: int | None = None,
+        max_length_time_axis: int | None = None,
+        min_size: int | None = None,
+        min_length: int | None = None,
+        min_length_time_axis: int | None = None,
+    ):
+        """**Arguments:**
+
+        - `example`, `add_batch_size`, `view`, `period`, the sizes: as for
+            [`equibuffer.Buffer`][].
+        - `rule`: an [`equibuffer.rules.AbstractPrioritisedRule`][]:
+            [`equibuffer.rules.Prioritised`][]`(alpha)`, or
+            [`equibuffer.rules.PrioritisedEpisodic`][]`(episode_end, mode, alpha)`. A rule
+            that draws uniformly takes an [`equibuffer.Buffer`][].
+        """
+        where = "PrioritisedBuffer()"
+        check_rule(where, rule, AbstractPrioritisedRule, "eb.Buffer")
+        parts = compose(where, example, add_batch_size, SizeArgs.of(locals()), rule, view,
+                        period=period)  # fmt: skip
+        init_prioritised(self, parts)
+
+
+def init_prioritised(buffer: PrioritisedBuffer, parts: Composed) -> None:
+    """Set the fields of a `PrioritisedBuffer` (or a named one) being initialised."""
+    assert isinstance(parts.rule, AbstractPrioritisedRule)
+    buffer.storage, buffer.rule, buffer.view = parts.storage, parts.rule, parts.view
+    buffer.period, buffer.min_length_time_axis = parts.period, parts.min_length_time_axis
+
+
+class PrioritisedTrajectoryBuffer(PrioritisedBuffer):
     """A [`equibuffer.TrajectoryBuffer`][] that draws windows in proportion to their
     priority: windows of `sequence_length` consecutive steps of one row, starting at absolute
     steps that are multiples of `period`, each drawn with probability
@@ -240,13 +305,10 @@ class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
         assert sample.experience["obs"].shape == (32, 8, 4)
         buffer = buffer.set_priorities(sample, jnp.abs(jnp.arange(32.0) - 16) + 1e-3)
         ```
-    """
 
-    storage: RingStorage
-    rule: AbstractPrioritisedRule
-    view: AbstractView = eqx.field(static=True)
-    period: int = eqx.field(static=True)
-    min_length_time_axis: int = eqx.field(static=True)
+    It is [`equibuffer.PrioritisedBuffer`][] with `rule=Prioritised(alpha)` and
+    `view=WindowView(sequence_length)`.
+    """
 
     @refuse_flashbax_only
     def __init__(
@@ -275,14 +337,13 @@ class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
         """
         where = "PrioritisedTrajectoryBuffer()"
         sizes = SizeArgs.of(locals())
-        self.storage, self.view, self.period, self.min_length_time_axis = configure(
-            where, example, add_batch_size, sizes, lambda _: window_view(where, sequence_length),
-            flat=False, period=period,
-        )  # fmt: skip
-        self.rule = prioritised(where, self.storage, alpha)
+        view = lambda _: window_view(where, sequence_length)  # noqa: E731
+        rule = lambda storage: prioritised(where, storage, alpha)  # noqa: E731
+        init_prioritised(self, compose(where, example, add_batch_size, sizes, rule, view,
+                                       period=period))  # fmt: skip
 
 
-class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
+class PrioritisedTransitionBuffer(PrioritisedBuffer):
     """A [`equibuffer.TransitionBuffer`][] that draws consecutive pairs `(first, second)` in
     proportion to their priority.
 
@@ -298,13 +359,11 @@ class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
         assert sample.experience.first["obs"].shape == (32, 4)
         buffer = buffer.set_priorities(sample, sample.weights)
         ```
-    """
 
-    storage: RingStorage
-    rule: AbstractPrioritisedRule
-    view: AbstractView = eqx.field(static=True)
-    period: int = eqx.field(static=True)
-    min_length_time_axis: int = eqx.field(static=True)
+    It is [`equibuffer.PrioritisedBuffer`][] with `rule=Prioritised(alpha)` (or
+    `PrioritisedEpisodic(episode_end, mode, alpha)`) and `view=PairView()` (or
+    `NStepView(n_step, discount, ...)`).
+    """
 
     @refuse_flashbax_only
     def __init__(
@@ -340,20 +399,20 @@ class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
         """
         where = "PrioritisedTransitionBuffer()"
         sizes = SizeArgs.of(locals())
-        self.storage, self.view, self.period, self.min_length_time_axis = configure(
-            where, example, add_batch_size, sizes,
-            lambda storage: transition_view(
-                where, storage, n_step, discount, reward, terminated, truncated
-            ),
-            flat=True,
-        )  # fmt: skip
-        if episode_end is None:
-            self.rule = prioritised(where, self.storage, alpha)
-        else:
-            self.rule = prioritised_episodic(where, self.storage, episode_end, mode, alpha)
+        view = lambda storage: transition_view(  # noqa: E731
+            where, storage, n_step, discount, reward, terminated, truncated
+        )
+
+        def rule(storage: RingStorage) -> AbstractPrioritisedRule:
+            if episode_end is None:
+                return prioritised(where, storage, alpha)
+            return prioritised_episodic(where, storage, episode_end, mode, alpha)
+
+        parts = compose(where, example, add_batch_size, sizes, rule, view, flat=True)
+        init_prioritised(self, parts)
 
 
-class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
+class PrioritisedItemBuffer(PrioritisedBuffer):
     """A [`equibuffer.ItemBuffer`][] that draws items in proportion to their priority.
 
     !!! example
@@ -366,13 +425,10 @@ class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
         sample = buffer.sample(jax.random.key(0), batch_size=16)
         assert sample.experience["x"].shape == (16, 3)
         ```
-    """
 
-    storage: RingStorage
-    rule: AbstractPrioritisedRule
-    view: AbstractView = eqx.field(static=True)
-    period: int = eqx.field(static=True)
-    min_length_time_axis: int = eqx.field(static=True)
+    It is [`equibuffer.PrioritisedBuffer`][] with `rule=Prioritised(alpha)` and
+    `view=ItemView()`.
+    """
 
     @refuse_flashbax_only
     def __init__(
@@ -398,7 +454,6 @@ class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
         """
         where = "PrioritisedItemBuffer()"
         sizes = SizeArgs.of(locals())
-        self.storage, self.view, self.period, self.min_length_time_axis = configure(
-            where, example, add_batch_size, sizes, lambda _: ItemView(), flat=True
-        )
-        self.rule = prioritised(where, self.storage, alpha)
+        rule = lambda storage: prioritised(where, storage, alpha)  # noqa: E731
+        parts = compose(where, example, add_batch_size, sizes, rule, ItemView(), flat=True)
+        init_prioritised(self, parts)

@@ -1,16 +1,15 @@
-import equinox as eqx
-
 from .._checks import refuse_flashbax_only
 from .._custom_types import ExampleTree
 from .._nstep import check_discount, check_leaves, check_n_step
 from .._ring import RingStorage
-from ._base import AbstractUniformBuffer
-from ._rules import AbstractUniformRule, EpisodeEnd, Episodic, episodic, Mode, UNIFORM
-from ._sizes import configure, SizeArgs
-from ._views import AbstractView, NStepView, PairView
+from ._episode_ends import EpisodeEnd, Mode
+from ._generic import Buffer, compose, init_buffer
+from ._rules import episodic, UNIFORM
+from ._sizes import SizeArgs
+from ._views import NStepView, PairView
 
 
-class TransitionBuffer(AbstractUniformBuffer):
+class TransitionBuffer(Buffer):
     """A buffer of transitions: samples consecutive pairs `(first, second)` of steps of one row
     (Flashbax's flat buffer). Each step is stored once; the pair is gathered at sample time.
 
@@ -31,6 +30,9 @@ class TransitionBuffer(AbstractUniformBuffer):
     steps that follow each sampled step (nothing is stored twice), cut at episode ends; see
     [`equibuffer.n_step_transition`][] for the convention.
 
+    It is [`equibuffer.Buffer`][] with `rule=Uniform()` (or `Episodic(episode_end, mode)`)
+    and `view=PairView()` (or `NStepView(n_step, discount, ...)`).
+
     !!! example
 
         ```python
@@ -48,15 +50,6 @@ class TransitionBuffer(AbstractUniformBuffer):
         assert jnp.allclose(sample.experience.reward, 1 + 0.99 + 0.99**2)
         ```
     """
-
-    storage: RingStorage
-    # The episode-aware rule, or None for the uniform one (read both as `rule`). `None` is
-    # flattened by JAX's C++ where the stateless `Uniform` module costs a jitted call from
-    # Python ~2 us to flatten and rebuild.
-    episode_rule: Episodic | None
-    view: AbstractView = eqx.field(static=True)
-    period: int = eqx.field(static=True)
-    min_length_time_axis: int = eqx.field(static=True)
 
     @refuse_flashbax_only
     def __init__(
@@ -108,21 +101,15 @@ class TransitionBuffer(AbstractUniformBuffer):
         """
         where = "TransitionBuffer()"
         sizes = SizeArgs.of(locals())
-        self.storage, self.view, self.period, self.min_length_time_axis = configure(
-            where, example, add_batch_size, sizes,
-            lambda storage: transition_view(
-                where, storage, n_step, discount, reward, terminated, truncated
-            ),
-            flat=True,
-        )  # fmt: skip
-        self.episode_rule = (
-            None if episode_end is None else episodic(where, self.storage, episode_end, mode)
+        view = lambda storage: transition_view(  # noqa: E731
+            where, storage, n_step, discount, reward, terminated, truncated
         )
-
-    @property
-    def rule(self) -> AbstractUniformRule:  # pyright: ignore[reportIncompatibleVariableOverride]
-        """The sampling rule: uniform over every transition held, or episode-aware."""
-        return UNIFORM if self.episode_rule is None else self.episode_rule
+        rule = (
+            UNIFORM
+            if episode_end is None
+            else lambda storage: episodic(where, storage, episode_end, mode)
+        )
+        init_buffer(self, compose(where, example, add_batch_size, sizes, rule, view, flat=True))
 
 
 def transition_view(

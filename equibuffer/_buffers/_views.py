@@ -1,19 +1,21 @@
 """Views: what a sample returns for the windows a sampling rule drew.
 
-A view is static configuration only (no arrays). It says how many consecutive steps one of its
-samples spans (`window_length`: the window the rule draws), gathers them from the ring, and
-zeroes what lies past an episode end when the rule pads.
+Public as `equibuffer.views`. A view is static configuration only (no arrays). It says how
+many consecutive steps one of its samples spans (`window_length`: the window the rule
+draws), gathers them from the ring, and zeroes what lies past an episode end when the rule
+pads.
 
 - `WindowView(sequence_length)`: the window itself, leaves `(batch, sequence_length, *leaf)`.
 - `PairView()`: a [`equibuffer.Transition`][] `(first, second)` of two consecutive steps.
 - `NStepView(n, discount, ...)`: an [`equibuffer.NStepTransition`][] over `n + 1` steps.
 - `ItemView()`: one step, leaves `(batch, *leaf)`.
 
-Adding a view is one class here with these four methods; no rule and no buffer changes.
+Adding a view is one class with these members (`window_length`, `window_name`,
+`needs`, `checked`, `gather`, `padded`); no rule and no buffer changes.
 """
 
 import abc
-from typing import Any
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
@@ -22,13 +24,14 @@ from jaxtyping import Array, Bool
 
 from .._checks import check_positive_int
 from .._custom_types import Indices
-from .._nstep import n_step_from_storage
+from .._nstep import check_discount, check_leaves, check_n_step, n_step_from_storage
 from .._ring import RingStorage
 from .._windows import gather, gather_steps
 from ._samples import Transition
 
 
 Mask = Bool[Array, "batch window"]
+_View = TypeVar("_View", bound="AbstractView")
 
 
 def _zero_where_not(mask: Bool[Array, " batch"], tree: Any) -> Any:
@@ -42,7 +45,23 @@ def _zero_where_not(mask: Bool[Array, " batch"], tree: Any) -> Any:
 
 
 class AbstractView(eqx.Module):
-    """What a buffer's `sample` returns for each drawn window."""
+    """What a buffer's `sample` returns for each drawn window: static configuration only (no
+    arrays), so a buffer keeps its view as a static field and a jitted call pays nothing for
+    it. A view says how many consecutive steps one element spans (`window_length`: the window
+    the rule draws), gathers them from the ring, and zeroes what lies past an episode end.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        view = eb.views.WindowView(sequence_length=3)
+        assert isinstance(view, eb.views.AbstractView) and view.window_length == 3
+        buffer = eb.Buffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=8, view=view)
+        buffer = buffer.add({"x": jnp.arange(4.0)[None]})
+        assert buffer.sample(jax.random.key(0), batch_size=2).experience["x"].shape == (2, 3)
+        ```
+    """
 
     @property
     @abc.abstractmethod
@@ -69,11 +88,33 @@ class AbstractView(eqx.Module):
         """What the sample-too-early error says a row needs: `steps` per row (the buffer's
         minimum) and what one sample spans, naming only arguments a user of this view sets."""
 
+    @abc.abstractmethod
+    def checked(self: _View, where: str, storage: RingStorage) -> _View:
+        """This view with its configuration checked (errors start with `where`), also
+        against the ring's example (the leaves it reads): called when a buffer is built."""
+
 
 class WindowView(AbstractView):
-    """Windows of `sequence_length` steps, leaves `(batch, sequence_length, *leaf)`."""
+    """Windows of `sequence_length` consecutive steps of one row, leaves
+    `(batch, sequence_length, *leaf)`: the view of the trajectory buffers.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        buffer = eb.Buffer({"t": jnp.int32(0)}, add_batch_size=1, capacity=8,
+                           view=eb.views.WindowView(2))
+        buffer = buffer.add({"t": jnp.arange(4, dtype=jnp.int32)[None]})
+        t = buffer.sample(jax.random.key(0), batch_size=4).experience["t"]
+        assert t.shape == (4, 2) and bool((t[:, 1] == t[:, 0] + 1).all())
+        ```
+    """
 
     sequence_length: int = eqx.field(static=True)
+
+    def checked(self, where: str, storage: RingStorage) -> "WindowView":
+        return window_view(where, self.sequence_length)
 
     @property
     def window_length(self) -> int:
@@ -98,13 +139,30 @@ class WindowView(AbstractView):
 
 
 def window_view(where: str, sequence_length: int) -> WindowView:
-    """A [`WindowView`][equibuffer._buffers._views.WindowView] of `sequence_length >= 1` steps
+    """A [`equibuffer.views.WindowView`][] of `sequence_length >= 1` steps
     (errors start with `where`)."""
     return WindowView(check_positive_int(where, "sequence_length", sequence_length))
 
 
 class PairView(AbstractView):
-    """Consecutive pairs `(first, second)` of one row: a [`equibuffer.Transition`][]."""
+    """Consecutive pairs `(first, second)` of one row: a [`equibuffer.Transition`][] (the
+    view of the transition buffers; Flashbax's flat buffer).
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        buffer = eb.Buffer({"t": jnp.int32(0)}, add_batch_size=1, capacity=8,
+                           view=eb.views.PairView())
+        buffer = buffer.add({"t": jnp.arange(4, dtype=jnp.int32)[None]})
+        pair = buffer.sample(jax.random.key(0), batch_size=4).experience
+        assert bool((pair.second["t"] == pair.first["t"] + 1).all())
+        ```
+    """
+
+    def checked(self, where: str, storage: RingStorage) -> "PairView":
+        return self
 
     @property
     def window_length(self) -> int:
@@ -127,14 +185,39 @@ class PairView(AbstractView):
 
 
 class NStepView(AbstractView):
-    """n-step transitions from `n + 1` consecutive steps, cut at episode ends (see
-    [`equibuffer.n_step_transition`][] for the convention)."""
+    """n-step transitions ([`equibuffer.NStepTransition`][]) from `n + 1` consecutive steps,
+    cut at episode ends (see [`equibuffer.n_step_transition`][] for the convention): the
+    view of `TransitionBuffer(n_step=n)`. Nothing is stored twice: the sums are computed
+    from the stored steps at sample time.
+
+    **Arguments:** `n` (at least 1), `discount` (in `[0, 1]`), and the names of the float
+    `reward` leaf and the bool `terminated` and `truncated` leaves (`truncated=None` when
+    there is none), checked against the example when a buffer is built.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        example = {"reward": jnp.float32(0), "terminated": jnp.bool_(False)}
+        view = eb.views.NStepView(n=2, discount=0.5, truncated=None)
+        buffer = eb.Buffer(example, add_batch_size=1, capacity=8, view=view)
+        buffer = buffer.add({"reward": jnp.ones((1, 4)), "terminated": jnp.zeros((1, 4), bool)})
+        sample = buffer.sample(jax.random.key(0), batch_size=4)
+        assert jnp.allclose(sample.experience.reward, 1 + 0.5)
+        ```
+    """
 
     n: int = eqx.field(static=True)
     discount: float = eqx.field(static=True)
-    reward: str = eqx.field(static=True)
-    terminated: str = eqx.field(static=True)
-    truncated: str | None = eqx.field(static=True)
+    reward: str = eqx.field(static=True, default="reward")
+    terminated: str = eqx.field(static=True, default="terminated")
+    truncated: str | None = eqx.field(static=True, default="truncated")
+
+    def checked(self, where: str, storage: RingStorage) -> "NStepView":
+        n, discount = check_n_step(where, self.n), check_discount(where, self.discount)
+        check_leaves(where, storage.example(), self.reward, self.terminated, self.truncated)
+        return NStepView(n, discount, self.reward, self.terminated, self.truncated)
 
     @property
     def window_length(self) -> int:
@@ -163,7 +246,22 @@ class NStepView(AbstractView):
 
 
 class ItemView(AbstractView):
-    """Single steps, leaves `(batch, *leaf)`."""
+    """Single steps, leaves `(batch, *leaf)`: the view of the item buffers.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        buffer = eb.Buffer({"x": jnp.zeros(3)}, add_batch_size=2, capacity=8,
+                           view=eb.views.ItemView())
+        buffer = buffer.add({"x": jnp.ones((2, 3))})
+        assert buffer.sample(jax.random.key(0), batch_size=5).experience["x"].shape == (5, 3)
+        ```
+    """
+
+    def checked(self, where: str, storage: RingStorage) -> "ItemView":
+        return self
 
     @property
     def window_length(self) -> int:

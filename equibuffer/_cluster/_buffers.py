@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._buffers._epochs import no_epochs
-from .._buffers._rules import (
+from .._buffers._priorities import (
     check_alpha,
     check_beta,
     check_priority_update,

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from .._buffers._rules import set_by_priority
+from .._buffers._priorities import set_by_priority
 from .._custom_types import Steps
 from .._errors import branched_error_if, error_if
 from .._sumtree import read_once, SumTree

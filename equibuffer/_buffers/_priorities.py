@@ -1,0 +1,206 @@
+"""The pieces the prioritised rules share: checks of `alpha`, `beta` and priorities, the
+draw by priority from a `SumTree` (probabilities, importance weights, one folded check), and
+the write of new priorities (stale updates dropped, the largest priority seen kept)."""
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
+
+from .._custom_types import BoolScalar, Indices, Steps
+from .._errors import branched_error_if, record
+from .._ring import RingStorage
+from .._sumtree import read_once, SumTree
+from .._windows import start_steps, window_offsets
+from ._samples import Sample
+from ._window import Drawn
+
+
+def check_alpha(where: str, alpha: Any) -> float:
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        raise TypeError(f"{where}: `alpha` must be a Python float, got {alpha!r}.")
+    alpha = float(alpha)
+    if not (math.isfinite(alpha) and alpha >= 0):
+        raise ValueError(
+            f"{where}: `alpha` must be finite and >= 0 (0 samples uniformly, 1 fully in "
+            f"proportion to the priorities), got {alpha}."
+        )
+    return alpha
+
+
+def check_priority(where: str, priority: Any) -> float:
+    """A priority given on the host (`with_storage(..., priority=)`): a positive finite
+    Python float (0 would exclude every window it is given to)."""
+    if isinstance(priority, bool) or not isinstance(priority, int | float):
+        raise TypeError(f"{where}: `priority` must be a Python float, got {priority!r}.")
+    priority = float(priority)
+    if not (math.isfinite(priority) and priority > 0):
+        raise ValueError(
+            f"{where}: `priority` must be finite and > 0 (a window of priority 0 is never "
+            f"drawn), got {priority}."
+        )
+    return priority
+
+
+def check_beta(where: str, beta: Any) -> Float[Array, ""]:
+    if isinstance(beta, int | float) and not (math.isfinite(beta) and beta >= 0):
+        raise ValueError(f"{where}: `beta` must be finite and >= 0, got {beta}.")
+    exponent = jnp.asarray(beta, jnp.float32)
+    if exponent.shape != ():
+        raise ValueError(f"{where}: `beta` must be a scalar, got shape {exponent.shape}.")
+    return exponent
+
+
+def draw_by_priority(
+    storage: RingStorage,
+    tree: SumTree,
+    key: PRNGKeyArray,
+    batch_size: int,
+    beta: Float[Array, ""],
+    ready: BoolScalar,
+    none_valid: BoolScalar,
+    messages: tuple[str, str, str, str],
+    blocks: int = 1,
+) -> Drawn:
+    """Draw `batch_size` leaves of `tree` in proportion to their values (stratified), with
+    probabilities and importance weights. One check for the four ways to fail, in the order
+    of `messages`: not `ready`; every valid window at priority 0; `none_valid`; a bad `beta`.
+
+    With `blocks > 1` the leaves are cut into that many equal blocks (the rows' blocks) and
+    the `b`-th `batch_size / blocks` draws are made inside block `b`, in proportion to the
+    values there: probabilities and weights are those of the block (its total, its smallest
+    drawn probability), and a block of total 0 fails as a tree of total 0 does."""
+    if blocks == 1:
+        indices, leaves = tree.sample_values(key, batch_size)
+        totals = tree.total()
+    else:
+        per = batch_size // blocks
+        totals = tree.block_totals(blocks)[:, None]
+        u = (
+            jnp.arange(per, dtype=jnp.float32)[None, :] + jax.random.uniform(key, (blocks, per))
+        ) / per
+        indices, leaves = tree.search_blocks(u * totals)
+    # The barrier keeps XLA from fusing the tree search into the gather of the windows
+    # (which would redo the search for every gathered element), and it is the only way out
+    # of the tree: see `read_once`.
+    indices, leaves, totals = read_once(indices, leaves, totals)
+    total = jnp.min(totals)
+    failure = jnp.where(total > 0, 3, jnp.where(none_valid, 2, 1))
+    failure = jnp.where(~ready, 0, failure)
+    indices = branched_error_if(
+        indices,
+        (failure < 3) | (beta < 0) | ~jnp.isfinite(beta),
+        failure,
+        list(messages),
+    )
+    probabilities = leaves / totals
+    # (N P(i))^-beta / max_j (N P(j))^-beta, written so that it neither over- nor
+    # underflows: every sampled P(i) > 0, and the ratio to the smallest is >= 1.
+    smallest = jnp.min(probabilities, axis=-1, keepdims=True)
+    weights = (probabilities / smallest) ** -beta
+    indices, probabilities, weights = (x.reshape(-1) for x in (indices, probabilities, weights))
+    steps = start_steps(storage, window_offsets(storage, indices))
+    return Drawn(indices, steps, probabilities, weights)
+
+
+def update_target(
+    where: str, sample: Sample | Int[ArrayLike, " batch"], steps: Steps | None
+) -> tuple[Int[ArrayLike, " batch"], Steps]:
+    """The `(indices, steps)` a `set_priorities(sample, priorities, steps=...)` call names:
+    those of the sample, or the indices given with `steps=`."""
+    if isinstance(sample, Sample):
+        if steps is not None:
+            raise TypeError(
+                f"{where}: `steps` is taken from the sample; pass either a Sample, or "
+                "indices with `steps=`."
+            )
+        record(sample.error)  # a failure recorded while drawing it goes on to the buffer
+        return sample.indices, sample.steps
+    if steps is None:
+        raise TypeError(
+            f"{where}: pass the whole sample (`buffer.set_priorities(sample, "
+            "priorities)`) or the indices with `steps=sample.steps`: the steps tell "
+            "which windows were overwritten since they were sampled."
+        )
+    return sample, steps
+
+
+def check_priority_update(
+    where: str,
+    capacity: int,
+    indices: Int[ArrayLike, " batch"],
+    steps: Steps,
+    priorities: Float[ArrayLike, " batch"],
+    bound: str = "add_batch_size * max_length_time_axis",
+) -> tuple[Indices, Steps, Float[Array, " batch"]]:
+    """The arguments of `set_priorities`, checked: shapes and dtypes at trace time, values
+    (indices in range `[0, capacity)`, named `bound` in the error; priorities non-negative
+    and finite) inside jit."""
+    indices = jnp.asarray(indices)
+    steps = jnp.asarray(steps)
+    new = jnp.asarray(priorities)
+    if indices.ndim != 1 or not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise TypeError(
+            f"{where}: `indices` must be a 1-d integer array, got shape {indices.shape} "
+            f"and dtype {indices.dtype}."
+        )
+    for name, x in (("priorities", new), ("steps", steps)):
+        if x.shape != indices.shape:
+            raise ValueError(
+                f"{where}: `{name}` has shape {x.shape} but `indices` has shape "
+                f"{indices.shape}; give one per sampled window."
+            )
+    if steps.dtype != jnp.uint32:
+        raise TypeError(f"{where}: `steps` must be uint32 (`sample.steps`), got {steps.dtype}.")
+    new = new.astype(jnp.float32)
+    indices = indices.astype(jnp.int32)
+    out_of_range = jnp.any((indices < 0) | (indices >= capacity))
+    new = branched_error_if(
+        new,
+        out_of_range | jnp.any((new < 0) | ~jnp.isfinite(new)),
+        jnp.where(out_of_range, 0, 1),
+        [
+            f"{where}: every index must be in [0, {bound}={capacity}); pass `sample.indices`.",
+            f"{where}: every priority must be non-negative and finite (a negative, NaN or "
+            "infinite priority was given).",
+        ],
+    )
+    return indices, steps, new
+
+
+def set_by_priority(
+    tree: SumTree,
+    max_priority: Float[Array, ""],
+    alpha: float,
+    indices: Indices,
+    new: Float[Array, " batch"],
+    current: Bool[Array, " batch"],
+) -> tuple[SumTree, Float[Array, ""]]:
+    """Write `new ** alpha` at the `current` indices (the others are dropped), and raise the
+    largest priority seen by the largest applied."""
+    values = jnp.where(new > 0, new**alpha, 0.0)
+    tree = tree.write(indices, values, mask=current)
+    applied = jnp.max(jnp.where(current, new, 0.0))
+    return tree, jnp.maximum(max_priority, applied)
+
+
+def priority_messages(
+    where: str, not_ready: str, no_window: str, blocks: int = 1
+) -> tuple[str, str, str, str]:
+    which = (
+        "every valid window has priority 0"
+        if blocks == 1
+        else f"in the rows of one of the row_blocks={blocks} blocks, every valid window has "
+        "priority 0 (or none is valid)"
+    )
+    return (
+        not_ready,
+        f"{where}: {which}, so there is nothing to draw "
+        "(`can_sample()` only looks at the counters). Give some windows a positive "
+        "priority with `set_priorities`, or add data (new windows enter at the largest "
+        "priority seen).",
+        no_window,
+        f"{where}: `beta` must be finite and >= 0.",
+    )

@@ -13,8 +13,7 @@ except ImportError as error:  # pragma: no cover (tested in a subprocess)
         "`pip install equibuffer[testing]` (or `pip install hypothesis`)."
     ) from error
 
-from ._reference import (
-    BufferReference as BufferReference,
+from ._models import (
     EpisodeRule as EpisodeRule,
     flat_index as flat_index,
     History as History,
@@ -23,11 +22,11 @@ from ._reference import (
     NStepView as NStepView,
     PairView as PairView,
     Priorities as Priorities,
-    QueueReference as QueueReference,
     UniformRule as UniformRule,
     window_of as window_of,
     WindowView as WindowView,
 )
+from ._reference import BufferReference as BufferReference, QueueReference as QueueReference
 from ._strategies import (
     batches as batches,
     buffer_configs as buffer_configs,

@@ -327,9 +327,11 @@ class RingStorage(eqx.Module):
             # an H100, more than the scatter itself): the scatter alone is faster there.
             # Chosen when the program is lowered, so neither platform runs a branch.
             # (XLA before jax 0.11 copies the whole storage around the cond's branches: there
-            # the scatter, in place, everywhere.)
-            cpu = wrapping if BARRIER_EXPANDED else on_cpu
-            data = jax.lax.platform_dependent(self.data, batch, cpu=cpu, default=wrapping)
+            # the scatter, in place, on every platform.)
+            if BARRIER_EXPANDED:
+                data = wrapping(self.data, batch)
+            else:
+                data = jax.lax.platform_dependent(self.data, batch, cpu=on_cpu, default=wrapping)
         head = (self.head + t % length) % length
         fill = jnp.minimum(self.fill + keep, length)
         lo = self.count_lo + jnp.uint32(t % _TWO_32)

@@ -85,7 +85,7 @@ def draw_by_priority(
     # The barrier keeps XLA from fusing the tree search into the gather of the windows
     # (which would redo the search for every gathered element), and it is the only way out
     # of the tree: see `read_once`.
-    indices, leaves, totals = read_once(indices, leaves, totals)
+    indices, leaves, totals = read_once(indices, leaves, totals, blocks=blocks)
     total = jnp.min(totals)
     failure = jnp.where(total > 0, 3, jnp.where(none_valid, 2, 1))
     failure = jnp.where(~ready, 0, failure)

@@ -230,7 +230,7 @@ class PrioritisedInCluster(AbstractClusterRule):
         pick = cluster[None]
         slot = jnp.take_along_axis(jnp.stack([f for f, _ in found]), pick, axis=0)[0]
         leaf = jnp.take_along_axis(jnp.stack([v for _, v in found]), pick, axis=0)[0]
-        slot, leaf, totals, w = read_once(slot, leaf, totals, w)
+        slot, leaf, totals, w = read_once(slot, leaf, totals, w, blocks=blocks)
         every_held = jnp.all(jnp.sum(held, axis=1) > 0)
         failure = jnp.where(every_held, jnp.where(jnp.all(jnp.sum(w, axis=1) > 0), 2, 1), 0)
         cluster = branched_error_if(

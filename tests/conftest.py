@@ -18,6 +18,13 @@ shared machine is slow. A new property test: `@settings(max_examples=budget(n),
 deadline=None)`; a new costly case (more than about 10 s on two shared cores): mark it
 `thorough` and keep a cheaper case of the same check unmarked.
 
+One JAX compilation cache serves every process of a run (the xdist workers and the
+subprocesses the tests start): a program compiled by one test (the same buffer, shapes and
+step, often in another test or a docs example) is loaded, not compiled again, by the next. It
+is a fresh directory per run, removed at the end; `EQUIBUFFER_TEST_JAX_CACHE=DIR` keeps one
+across runs instead (JAX keys its entries by program, JAX and XLA version, so a stale entry is
+never used).
+
 `EQUIBUFFER_TEST_INSTALLED=1` (`nox -s package`) refuses an `equibuffer` imported from
 anywhere but site-packages.
 """
@@ -25,6 +32,8 @@ anywhere but site-packages.
 import collections
 import os
 import pathlib
+import shutil
+import tempfile
 
 import jax
 import jax.random as jr
@@ -33,6 +42,24 @@ from hypothesis import settings
 
 from .helpers import SEQUENCES, STATEFUL_EXAMPLES
 
+
+# --- One compilation cache for the run's processes -------------------------------------------
+CACHE = "EQUIBUFFER_TEST_JAX_CACHE"
+# Set here by the first process of a run (xdist's controller), inherited by its workers and
+# their subprocesses; removed by the process that made it.
+_MADE_CACHE = CACHE not in os.environ
+if _MADE_CACHE:
+    os.environ[CACHE] = tempfile.mkdtemp(prefix="equibuffer-jax-cache-")
+# As environment variables too, so that a subprocess's jax reads them at import.
+for name, value in {
+    "JAX_COMPILATION_CACHE_DIR": os.environ[CACHE],
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}.items():
+    os.environ[name] = value
+jax.config.update("jax_compilation_cache_dir", os.environ[CACHE])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -65,6 +92,11 @@ def pytest_configure(config):
             "from an installed package (site-packages): run the tests from a directory "
             "without the source tree."
         )
+
+
+def pytest_unconfigure(config):
+    if _MADE_CACHE and not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(os.environ[CACHE], ignore_errors=True)
 
 
 @pytest.fixture

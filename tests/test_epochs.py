@@ -16,10 +16,10 @@ from jax import lax
 import equibuffer as eb
 from equibuffer.testing import buffer_configs, BufferReference, filled_buffers
 
-from .helpers import chi_square_pvalue
+from .helpers import budget, chi_square_pvalue
 
 
-SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=budget(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @eqx.filter_jit

@@ -13,6 +13,8 @@ from hypothesis import given, Phase, settings
 import equibuffer as eb
 from equibuffer.testing import BufferReference
 
+from .helpers import budget
+
 
 EXAMPLE = {"x": jnp.int32(0), "reward": jnp.float32(0),
            "terminated": jnp.bool_(False), "truncated": jnp.bool_(False)}  # fmt: skip
@@ -114,7 +116,7 @@ def _assert_same(a, b):
 
 
 # (no shrinking: each example compiles a buffer, and a failure prints its arguments)
-@settings(max_examples=12, deadline=None, phases=[Phase.explicit, Phase.generate])
+@settings(max_examples=budget(12), deadline=None, phases=[Phase.explicit, Phase.generate])
 @given(
     kind=st.sampled_from(sorted(_pairs(2, 1, "never_cross", 0.6))),
     rows=st.integers(1, 2),

@@ -32,8 +32,9 @@ HERE = f"{sys.version_info.major}.{sys.version_info.minor}"
 # Set for a run against the installed wheel: tests/conftest.py then refuses a source import.
 INSTALLED = "EQUIBUFFER_TEST_INSTALLED"
 # `nox -s tests`'s selection (`nox -s package` runs the same against the wheel).
-# Budgets (tests/conftest.py): hypothesis profile `quick`, marker `thorough` left out.
-QUICK = ["-m", "not slow and not thorough", "--hypothesis-profile", "quick"]
+# Budgets (tests/conftest.py): hypothesis profile `quick`, marker `thorough` left out, and the
+# docs' examples (marker `examples`) left to `nox -s docs`.
+QUICK = ["-m", "not slow and not thorough and not examples", "--hypothesis-profile", "quick"]
 
 
 def install(session: nox.Session, *groups: str, package: str = ".") -> None:
@@ -51,8 +52,8 @@ def tests(session: nox.Session) -> None:
     """The test suite (jaxtyping + beartype runtime checks on), on the Python that runs nox,
     at the quick budgets: property and stateful tests at most 5 examples each (hypothesis
     profile `quick`), without the costliest cases (marker `thorough`) and the tests that start
-    processes (marker `slow`: `nox -s slow`). `nox -s tests-all` and CI run everything at the
-    full budgets (tests/conftest.py)."""
+    processes (marker `slow`: `nox -s slow`) and the docs' examples (marker `examples`: `nox -s
+    docs`). `nox -s tests-all` and CI run everything at the full budgets (tests/conftest.py)."""
     run_tests(session, *QUICK)
 
 
@@ -169,11 +170,14 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python=HERE)
 def docs(session: nox.Session) -> None:
-    """The documentation site (mkdocs-material + mkdocstrings), built strictly into `site/`.
+    """The documentation site (mkdocs-material + mkdocstrings), built strictly into `site/`,
+    after running every code block of its pages and every docstring example as written (the
+    tests marked `examples` in tests/test_docs.py).
 
     Any further arguments go to `mkdocs build` (e.g. `nox -s docs -- --site-dir /tmp/site`).
     """
-    install(session, "docs")
+    install(session, "docs", "tests")
+    session.run("pytest", "-n", "2", "-m", "examples", "tests/test_docs.py")
     session.run("mkdocs", "build", "--strict", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
 
 

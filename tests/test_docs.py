@@ -1,5 +1,6 @@
 """The README quickstart, every python block of the pages in `docs/`, and every docstring
-`!!! example` run exactly as written."""
+`!!! example` run exactly as written (the last two marked `examples`: `nox -s docs` runs them
+with the site's build, `nox -s tests-all` and CI with everything)."""
 
 import inspect
 import pathlib
@@ -64,6 +65,7 @@ def test_readme_python_blocks_run(code, capsys):
         assert capsys.readouterr().out.strip() == "1.0"
 
 
+@pytest.mark.examples
 @pytest.mark.parametrize(("code", "page"), _docs_blocks())
 def test_docs_python_blocks_run(code, page):
     """Each block of a page runs on its own (a page's blocks must be self-contained)."""
@@ -72,6 +74,7 @@ def test_docs_python_blocks_run(code, page):
     exec(compile(code, f"<docs/{page}>", "exec"), {})
 
 
+@pytest.mark.examples
 @pytest.mark.parametrize("code", _docstring_examples())
 def test_docstring_examples_run(code):
     namespace = {}

@@ -19,7 +19,9 @@ from equibuffer.testing import buffer_configs, BufferReference, filled_buffers
 from .helpers import budget, chi_square_pvalue
 
 
-SETTINGS = settings(max_examples=budget(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=budget(12), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 @eqx.filter_jit

@@ -50,7 +50,7 @@ def run_tests(session: nox.Session, *selection: str) -> None:
 @nox.session(python=HERE)
 def tests(session: nox.Session) -> None:
     """The test suite (jaxtyping + beartype runtime checks on), on the Python that runs nox,
-    at the quick budgets: property and stateful tests at most 5 examples each (hypothesis
+    at the quick budgets: property and stateful tests at most 3 examples each (hypothesis
     profile `quick`), without the costliest cases (marker `thorough`) and the tests that start
     processes (marker `slow`: `nox -s slow`) and the docs' examples (marker `examples`: `nox -s
     docs`). `nox -s tests-all` and CI run everything at the full budgets (tests/conftest.py)."""

@@ -11,7 +11,9 @@ Budgets, two hypothesis profiles and one marker:
   `max_examples` gets `QUICK_EXAMPLES` too.
 - marker `thorough`: the costliest cases of a statistical or parametrised test, whose cheaper
   siblings keep proving the same property in the quick session. `nox -s tests` leaves them
-  out (`-m "not slow and not thorough"`); `nox -s tests-all` and CI run them.
+  out (`-m "not slow and not thorough and not examples"`); `nox -s tests-all` and CI run them.
+- marker `examples`: the docs' code blocks and the docstring examples (tests/test_docs.py),
+  which `nox -s docs` runs before building the site; `nox -s tests` leaves them out too.
 
 Neither profile has a deadline: the first example of each configuration compiles, and a
 shared machine is slow. A new property test: `@settings(max_examples=budget(n),
@@ -64,7 +66,7 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-QUICK_EXAMPLES = 5
+QUICK_EXAMPLES = 3
 settings.register_profile("full", deadline=None)
 settings.register_profile("quick", deadline=None, max_examples=QUICK_EXAMPLES)
 

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, Phase, settings
 
 import equibuffer as eb
+import equibuffer.testing as ebt
 from equibuffer.testing import BufferReference
 
 from .helpers import budget
@@ -307,3 +308,88 @@ def test_each_rule_declares_the_leaves_shard_rows_splits():
         leaves = rule.sized("test", storage).row_leaves()
         assert len(leaves) == count, rule
         assert all(x.shape == (3, 8) for x in leaves), rule
+
+
+class EveryOther(eb.rules.AbstractUniformRule):
+    """A rule written as a user would, from the public parts only: uniform over every other
+    window start (twice the view's period), with its reference model."""
+
+    def _wider(self, window):
+        return eb.rules.Window(window.length, 2 * window.period, window.name)
+
+    def sized(self, where, storage):
+        return self
+
+    def row_leaves(self):
+        return ()
+
+    def added(self, storage, appended, window):
+        return self
+
+    def updated(self, storage, window, *, restored=False):
+        return self
+
+    def mask(self, storage, indices, window):
+        return None
+
+    def count_valid(self, storage, window):
+        return eb.rules.Uniform().count_valid(storage, self._wider(window))
+
+    def valid_starts(self, storage, window):
+        return eb.rules.Uniform().valid_starts(storage, self._wider(window))
+
+    def draw(self, storage, window, key, batch_size, ready, not_ready, where, blocks=1):
+        wider = self._wider(window)
+        return eb.rules.Uniform().draw(
+            storage, wider, key, batch_size, ready, not_ready, where, blocks
+        )
+
+    def reference(self, window):
+        return ebt.UniformRule(window.length, 2 * window.period)
+
+
+class NoModel(EveryOther):
+    """The same rule without a reference model."""
+
+    def reference(self, window):
+        return super(EveryOther, self).reference(window)
+
+
+def test_a_rule_written_by_a_user():
+    """A user's rule in a generic buffer, stepped in a donated jitted step: it samples as
+    its reference model says (the reference built from the rule's own `reference`), as the
+    named buffer with the same law does, and an epoch visits each of its windows once."""
+    buffer = eb.Buffer(EXAMPLE, add_batch_size=2, capacity=16, rule=EveryOther(),
+                       view=eb.views.WindowView(2))  # fmt: skip
+    twin = eb.TrajectoryBuffer(EXAMPLE, add_batch_size=2, capacity=16, sequence_length=2,
+                               period=2)  # fmt: skip
+    reference = BufferReference.from_buffer(buffer)
+
+    @eqx.filter_jit(donate="all-except-first")
+    def step(key, buffer, batch):
+        buffer = buffer.add(batch)
+        return buffer, buffer.sample(key, 8)
+
+    for i in range(4):  # 20 steps per row: the ring of 8 per row wraps around
+        batch = _batch(2, 5 * i, np.zeros((2, 5), bool))
+        key = jax.random.key(i)
+        buffer, sample = step(key, buffer, batch)
+        twin = twin.add(batch)
+        reference.add(batch)
+        eb.check(sample)
+        reference.check_sample(sample)
+        assert int(buffer.num_valid_windows()) == len(reference.valid())
+        expected = twin.sample(key, 8).experience["x"]
+        np.testing.assert_array_equal(sample.experience["x"], expected)
+    epoch = buffer.epoch(jax.random.key(9), batch_size=3)
+    visited = [buffer.epoch_batch(epoch, i)[0].indices for i in range(int(epoch.num_batches()))]
+    starts = np.concatenate(visited)[: int(epoch.count)]
+    assert sorted(starts.tolist()) == sorted(set(starts.tolist()))
+    assert len(starts) == len(reference.valid())
+
+
+def test_a_part_without_a_reference_model_is_refused_by_the_reference():
+    buffer = eb.Buffer(EXAMPLE, add_batch_size=1, capacity=8, rule=NoModel(),
+                       view=eb.views.WindowView(2))  # fmt: skip
+    with pytest.raises(NotImplementedError, match=r"from_buffer\(\): NoModel declares no"):
+        BufferReference.from_buffer(buffer)

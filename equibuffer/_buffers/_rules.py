@@ -138,6 +138,19 @@ class AbstractRule(eqx.Module):
         """Whether the window starting at each slot of each row is valid now (the windows
         `count_valid` counts; priorities play no part): what an epoch visits."""
 
+    def reference(self, window: Window) -> Any:
+        """This rule's NumPy model, for [`equibuffer.testing.BufferReference`][]: which
+        windows are valid after any sequence of adds (a model of
+        `equibuffer.testing`'s `UniformRule` or `EpisodeRule` kind: `valid(history)`,
+        `windows_of(history)`, ...). A rule of your own that returns one gets the reference
+        model's checks; by default there is none, and `BufferReference.from_buffer` refuses
+        the buffer, saying so."""
+        raise NotImplementedError(
+            f"{type(self).__name__} declares no reference model: give it a "
+            "`reference(window)` method returning one (see equibuffer.testing's "
+            "UniformRule and EpisodeRule)."
+        )
+
 
 def count_held(storage: RingStorage, window: Window) -> IntScalar:
     """The number of windows valid by the counters, over all rows."""
@@ -149,6 +162,37 @@ def held_starts(storage: RingStorage, window: Window) -> Bool[Array, "rows lengt
     offsets = window_offsets(storage, jnp.arange(storage.length, dtype=jnp.int32))
     held = windows_held(storage, offsets, window.length, window.period)
     return jnp.broadcast_to(held, (storage.rows, storage.length))
+
+
+def uniform_model(window: Window) -> Any:
+    """The reference model of the windows valid by the counters alone."""
+    from ..testing._models import UniformRule
+
+    return UniformRule(window.length, window.period)
+
+
+def episode_model(episodes: EpisodeEnds, window: Window) -> Any:
+    """The reference model of the windows valid by the counters and the episode rule."""
+    from ..testing._models import EpisodeRule
+
+    return EpisodeRule(window.length, window.period, episodes.mode, episodes.episode_end)
+
+
+class _ByTheCounters:
+    """The methods of a rule whose windows are valid by the counters alone (held, complete,
+    on the period): no episodes, every valid window a candidate."""
+
+    def mask(self, storage: RingStorage, indices: Indices, window: Window) -> None:
+        return None
+
+    def count_valid(self, storage: RingStorage, window: Window) -> IntScalar:
+        return count_held(storage, window)
+
+    def valid_starts(self, storage: RingStorage, window: Window) -> Bool[Array, "rows length"]:
+        return held_starts(storage, window)
+
+    def reference(self, window: Window) -> Any:
+        return uniform_model(window)
 
 
 class AbstractUniformRule(AbstractRule):
@@ -229,7 +273,7 @@ class AbstractPrioritisedRule(AbstractRule):
         """The rule with a new tree and largest priority."""
 
 
-class Uniform(AbstractUniformRule):
+class Uniform(_ByTheCounters, AbstractUniformRule):
     """Uniform over the windows valid by the counters (held, complete, on the period): no
     state at all, so it costs nothing at `add`. The rule of `TrajectoryBuffer`,
     `TransitionBuffer` and `ItemBuffer`.
@@ -257,15 +301,6 @@ class Uniform(AbstractUniformRule):
 
     def updated(self, storage: RingStorage, window: Window, *, restored: bool = False) -> "Uniform":
         return self
-
-    def mask(self, storage: RingStorage, indices: Indices, window: Window) -> None:
-        return None
-
-    def count_valid(self, storage: RingStorage, window: Window) -> IntScalar:
-        return count_held(storage, window)
-
-    def valid_starts(self, storage: RingStorage, window: Window) -> Bool[Array, "rows length"]:
-        return held_starts(storage, window)
 
     def draw(
         self,
@@ -380,6 +415,9 @@ class Episodic(AbstractUniformRule):
         # The leaves are 1 at the valid window starts, 0 elsewhere.
         return (self.tree.values() > 0).reshape(storage.rows, storage.length)
 
+    def reference(self, window: Window) -> Any:
+        return episode_model(self.episodes, window)
+
     def draw(
         self,
         storage: RingStorage,
@@ -418,7 +456,7 @@ def episodic(where: str, storage: RingStorage, episode_end: Any, mode: Any) -> E
     return Episodic(episode_end, check_mode(where, mode)).sized(where, storage)
 
 
-class Prioritised(AbstractPrioritisedRule):
+class Prioritised(_ByTheCounters, AbstractPrioritisedRule):
     """In proportion to `priority ** alpha` over the windows valid by the counters: a
     `SumTree` with one leaf per window start (`row * length + slot`), holding `p ** alpha`
     while the window is valid and 0 otherwise. New windows enter at the largest priority
@@ -495,15 +533,6 @@ class Prioritised(AbstractPrioritisedRule):
         indices = flat_indices(storage.rows, storage.length, offset_slots(storage, offsets))
         tree = self.tree.write(indices, values, unique_indices=True)  # (every slot once)
         return eqx.tree_at(lambda r: r.tree, self, tree)
-
-    def mask(self, storage: RingStorage, indices: Indices, window: Window) -> None:
-        return None
-
-    def count_valid(self, storage: RingStorage, window: Window) -> IntScalar:
-        return count_held(storage, window)
-
-    def valid_starts(self, storage: RingStorage, window: Window) -> Bool[Array, "rows length"]:
-        return held_starts(storage, window)
 
     def draw(
         self,
@@ -686,6 +715,9 @@ class PrioritisedEpisodic(AbstractPrioritisedRule):
 
     def valid_starts(self, storage: RingStorage, window: Window) -> Bool[Array, "rows length"]:
         return self.valid
+
+    def reference(self, window: Window) -> Any:
+        return episode_model(self.episodes, window)
 
     def current(
         self, storage: RingStorage, window: Window, indices: Indices, steps: Steps

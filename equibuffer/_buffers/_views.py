@@ -93,6 +93,18 @@ class AbstractView(eqx.Module):
         """This view with its configuration checked (errors start with `where`), also
         against the ring's example (the leaves it reads): called when a buffer is built."""
 
+    def reference(self) -> Any:
+        """This view's NumPy model, for [`equibuffer.testing.BufferReference`][]: what a
+        sample holds for each drawn window (a model of `equibuffer.testing`'s `WindowView`
+        kind: `experience(history, row, start)`, ...). A view of your own that returns one
+        gets the reference model's checks; by default there is none, and
+        `BufferReference.from_buffer` refuses the buffer, saying so."""
+        raise NotImplementedError(
+            f"{type(self).__name__} declares no reference model: give it a `reference()` "
+            "method returning one (see equibuffer.testing's WindowView, PairView, ItemView "
+            "and NStepView)."
+        )
+
 
 class WindowView(AbstractView):
     """Windows of `sequence_length` consecutive steps of one row, leaves
@@ -115,6 +127,11 @@ class WindowView(AbstractView):
 
     def checked(self, where: str, storage: RingStorage) -> "WindowView":
         return window_view(where, self.sequence_length)
+
+    def reference(self) -> Any:
+        from ..testing import _models
+
+        return _models.WindowView(self.sequence_length)
 
     @property
     def window_length(self) -> int:
@@ -163,6 +180,11 @@ class PairView(AbstractView):
 
     def checked(self, where: str, storage: RingStorage) -> "PairView":
         return self
+
+    def reference(self) -> Any:
+        from ..testing import _models
+
+        return _models.PairView()
 
     @property
     def window_length(self) -> int:
@@ -219,6 +241,13 @@ class NStepView(AbstractView):
         check_leaves(where, storage.example(), self.reward, self.terminated, self.truncated)
         return NStepView(n, discount, self.reward, self.terminated, self.truncated)
 
+    def reference(self) -> Any:
+        from ..testing import _models
+
+        return _models.NStepView(
+            self.n, self.discount, self.reward, self.terminated, self.truncated
+        )
+
     @property
     def window_length(self) -> int:
         return self.n + 1
@@ -262,6 +291,11 @@ class ItemView(AbstractView):
 
     def checked(self, where: str, storage: RingStorage) -> "ItemView":
         return self
+
+    def reference(self) -> Any:
+        from ..testing import _models
+
+        return _models.ItemView()
 
     @property
     def window_length(self) -> int:

@@ -30,7 +30,6 @@ from jaxtyping import ArrayLike, Float, Integer, PyTree, Shaped
 
 from .._buffers._base import AbstractBuffer
 from .._buffers._queue import Queue
-from .._buffers._rules import AbstractPrioritisedRule, Episodic, PrioritisedEpisodic
 from .._buffers._samples import (
     EpisodeSample,
     PrioritisedEpisodeSample,
@@ -38,8 +37,8 @@ from .._buffers._samples import (
     Sample,
     Transition,
 )
-from .._buffers._views import ItemView as _ItemView, NStepView as _NStepView, PairView as _PairView
 from .._nstep import NStepTransition
+from ..rules import AbstractPrioritisedRule
 from ._models import (
     _aligned_starts,
     _named,
@@ -204,23 +203,13 @@ class BufferReference:
             )
         rows = buffer.add_batch_size
         length = buffer.capacity // rows
-        s, period = buffer.sequence_length, buffer.period
+        # Each part declares its own model (`reference` of the rule and of the view).
         rule = buffer.rule
-        if isinstance(rule, Episodic | PrioritisedEpisodic):
-            ends = rule.episodes
-            model: UniformRule | EpisodeRule = EpisodeRule(s, period, ends.mode, ends.episode_end)
-        else:
-            model = UniformRule(s, period)
-        view: WindowView | PairView | ItemView | NStepView
-        if isinstance(buffer.view, _NStepView):
-            v = buffer.view
-            view = NStepView(v.n, v.discount, v.reward, v.terminated, v.truncated)
-        elif isinstance(buffer.view, _PairView):
-            view = PairView()
-        elif isinstance(buffer.view, _ItemView):
-            view = ItemView()
-        else:
-            view = WindowView(s)
+        try:
+            model = rule.reference(buffer.window)
+            view = buffer.view.reference()
+        except NotImplementedError as e:
+            raise NotImplementedError(f"{where}: {e}") from None
         alpha = rule.alpha if isinstance(rule, AbstractPrioritisedRule) else None
         # Steps per row before `can_sample()` (a Queue has no minimum: its sequence).
         minimum = getattr(buffer, "min_length_time_axis", None)

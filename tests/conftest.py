@@ -52,16 +52,15 @@ CACHE = "EQUIBUFFER_TEST_JAX_CACHE"
 _MADE_CACHE = CACHE not in os.environ
 if _MADE_CACHE:
     os.environ[CACHE] = tempfile.mkdtemp(prefix="equibuffer-jax-cache-")
-# As environment variables too, so that a subprocess's jax reads them at import.
+# Each setting for this process (jax is imported already) and, as an environment variable, for
+# the subprocesses' jax to read at import.
 for name, value in {
-    "JAX_COMPILATION_CACHE_DIR": os.environ[CACHE],
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    "jax_compilation_cache_dir": os.environ[CACHE],
+    "jax_persistent_cache_min_compile_time_secs": 0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
 }.items():
-    os.environ[name] = value
-jax.config.update("jax_compilation_cache_dir", os.environ[CACHE])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update(name, value)
+    os.environ[name.upper()] = str(value)
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -97,7 +96,7 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    if _MADE_CACHE and not os.environ.get("PYTEST_XDIST_WORKER"):
+    if _MADE_CACHE:
         shutil.rmtree(os.environ[CACHE], ignore_errors=True)
 
 

@@ -212,16 +212,20 @@ def test_prioritised_episode_windows_with_an_n_step_view_and_a_period():
     _check_against_reference(buffer, batches, beta=0.5, priorities=jnp.linspace(0.5, 3.0, 64))
 
 
-def test_a_stateless_rule_is_static_configuration():
-    """A `Uniform` rule adds no pytree node: a jitted call flattens only the ring, as for
-    the named buffers, and never retraces."""
+def test_a_stateless_rule_adds_no_leaves():
+    """The rule is a pytree field of every buffer; a `Uniform` rule has no leaves, so a
+    jitted call flattens only the ring, as for the named buffers, and never retraces."""
     buffer = eb.Buffer(EXAMPLE, add_batch_size=2, capacity=16, view=eb.views.PairView())
     named = eb.TransitionBuffer(EXAMPLE, add_batch_size=2, capacity=16)
-    assert buffer.dynamic_rule is None and isinstance(buffer.rule, eb.rules.Uniform)
+    assert isinstance(buffer.rule, eb.rules.Uniform)
     assert len(jax.tree.leaves(buffer)) == len(jax.tree.leaves(named))
+    assert len(jax.tree.leaves(buffer)) == len(jax.tree.leaves(buffer.storage))
     episodic = eb.Buffer(EXAMPLE, add_batch_size=2, capacity=16, view=eb.views.PairView(),
                          rule=eb.rules.Episodic("terminated"))  # fmt: skip
-    assert episodic.static_rule is None and episodic.rule is episodic.dynamic_rule
+    rule_leaves = jax.tree.leaves(episodic.rule)
+    assert rule_leaves and len(jax.tree.leaves(episodic)) == len(
+        jax.tree.leaves(episodic.storage)
+    ) + len(rule_leaves)
 
     for b in (buffer, episodic):
 

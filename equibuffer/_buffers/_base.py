@@ -508,9 +508,8 @@ class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
         return sample, valid
 
     def _with(self: _Buffer, storage: RingStorage, rule: AbstractRule) -> _Buffer:
-        """The buffer with `storage` and `rule`. A rule without state (`Uniform`) returns
-        itself from `added`/`updated` and may be a static field, which `tree_at` cannot
-        replace: only the storage is replaced then."""
+        """The buffer with `storage` and `rule` (a rule without state, `Uniform`, returns
+        itself from `added`/`updated`: only the storage is replaced then)."""
         if rule is self.rule:
             return eqx.tree_at(lambda b: b.storage, self, storage)
         return eqx.tree_at(lambda b: (b.storage, b.rule), self, (storage, rule))

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import NamedTuple, TypeAlias
 
 import equinox as eqx
-import jax
 
 from .._checks import refuse_flashbax_only
 from .._custom_types import ExampleTree
@@ -101,8 +100,8 @@ class Buffer(AbstractUniformBuffer):
     | `ItemBuffer` | `Uniform()` | `ItemView()` |
     | `EpisodeTrajectoryBuffer` | `Episodic(episode_end, mode)` | `WindowView(sequence_length)` |
 
-    A rule without arrays (`Uniform`) is kept as static configuration, as the named
-    buffers keep it: a jitted call flattens only the ring.
+    The rule is a pytree field; one without arrays (`Uniform`) has no leaves, so a jitted
+    call flattens only the ring's arrays.
 
     !!! example
 
@@ -124,11 +123,9 @@ class Buffer(AbstractUniformBuffer):
     """
 
     storage: RingStorage
-    # A rule without arrays is configuration: static, so a jitted call flattens and rebuilds
-    # only the storage (measured: ~12 us per call for `Uniform` as a pytree node); a rule with
-    # arrays is a pytree field. `rule` reads whichever is set.
-    static_rule: AbstractUniformRule | None = eqx.field(static=True)
-    dynamic_rule: AbstractUniformRule | None
+    # A pytree field like every buffer's rule; one without arrays (`Uniform`) has no leaves,
+    # so a jitted call still flattens only the ring's arrays.
+    rule: AbstractUniformRule  # pyright: ignore[reportIncompatibleVariableOverride]
     view: AbstractView = eqx.field(static=True)
     period: int = eqx.field(static=True)
     min_length_time_axis: int = eqx.field(static=True)
@@ -178,21 +175,11 @@ class Buffer(AbstractUniformBuffer):
                         period=period)  # fmt: skip
         init_buffer(self, parts)
 
-    @property
-    def rule(self) -> AbstractUniformRule:  # pyright: ignore[reportIncompatibleVariableOverride]
-        """The sampling rule, sized to the ring."""
-        rule = self.static_rule if self.dynamic_rule is None else self.dynamic_rule
-        assert rule is not None
-        return rule
-
 
 def init_buffer(buffer: Buffer, parts: Composed) -> None:
-    """Set the fields of a `Buffer` (or a named one) being initialised: a uniform rule
-    without arrays as static configuration, one with arrays as a pytree field."""
+    """Set the fields of a `Buffer` (or a named one) being initialised."""
     rule = parts.rule
     assert isinstance(rule, AbstractUniformRule)
     buffer.storage, buffer.view, buffer.period = parts.storage, parts.view, parts.period
     buffer.min_length_time_axis = parts.min_length_time_axis
-    buffer.static_rule, buffer.dynamic_rule = (
-        (None, rule) if jax.tree.leaves(rule) else (rule, None)
-    )
+    buffer.rule = rule

@@ -338,18 +338,6 @@ def test_prioritised_epoch_ignores_priorities():
                                    sequence_length=2),
             "exactly once, in order of arrival",
         ),
-        (
-            lambda items: eb.ClusteredBuffer({"x": jnp.int32(0)}, add_batch_size=1,
-                                             num_clusters=2, cluster_capacity=4,
-                                             cluster_fn=lambda item: 0),
-            "not offered",
-        ),
-        (
-            lambda items: eb.PrioritisedClusteredBuffer({"x": jnp.int32(0)}, add_batch_size=1,
-                                                        num_clusters=2, cluster_capacity=4,
-                                                        cluster_fn=lambda item: 0),
-            "not offered",
-        ),
     ],
 )  # fmt: skip
 def test_kinds_without_epochs_refuse(build, match):
@@ -408,3 +396,130 @@ def test_donated_step_does_not_retrace():
         buffer, total = step(buffer, jax.random.key(n))
         assert float(total) == min(6 * n, 16)
     eb.check(buffer)
+
+
+# ------------------------------------------------------------------- clustered buffers
+
+CLUSTERED = [eb.ClusteredBuffer, eb.PrioritisedClusteredBuffer]
+
+
+def _clustered(kind, rows, clusters, capacity, weights=None):
+    return kind(
+        {"x": jnp.int32(0)},
+        add_batch_size=rows,
+        num_clusters=clusters,
+        cluster_capacity=capacity,
+        cluster_fn=lambda item: item["x"] % clusters,
+        weights=weights,
+    )
+
+
+@SETTINGS
+@given(
+    kind=st.sampled_from(CLUSTERED),
+    rows=st.integers(1, 3),
+    clusters=st.integers(1, 3),
+    capacity=st.integers(1, 5),
+    steps=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+    batch_size=st.integers(1, 7),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_each_clustered_item_once(kind, rows, clusters, capacity, steps, batch_size, seed):
+    """Random adds routed to clusters that wrap or not: each item held exactly once per epoch
+    (whatever its cluster's weight), with its cluster, index and number in its cluster, as
+    a NumPy model of the clusters' rings says."""
+    weights = None if clusters == 1 else (1.0,) + (0.0,) * (clusters - 1)
+    buffer = _clustered(kind, rows, clusters, capacity, weights)
+    routed = [[] for _ in range(clusters)]  # every item's value, per cluster, in order
+    value = 0
+    for t in steps:
+        x = np.arange(value, value + rows * t, dtype=np.int32).reshape(t, rows).T
+        value += rows * t
+        buffer = buffer.add({"x": jnp.asarray(x)})
+        for v in x.T.reshape(-1):  # time-major, rows in order
+            routed[v % clusters].append(int(v))
+    held = {
+        v: (c, n)
+        for c, items in enumerate(routed)
+        for n, v in enumerate(items[-capacity:], start=max(0, len(items) - capacity))
+    }
+    sample, valid, epoch = whole_epoch(buffer, jax.random.key(seed), batch_size)
+    eb.check(sample)
+    valid = np.asarray(valid)
+    values = np.asarray(sample.experience["x"]).tolist()
+    visited = [v for v, ok in zip(values, valid, strict=True) if ok]
+    assert sorted(visited) == sorted(held)  # each held item once
+    assert int(epoch.count) == len(held)
+    assert int(epoch.num_batches()) == math.ceil(len(held) / batch_size)
+    np.testing.assert_array_equal(valid, np.arange(valid.shape[0]) < len(held))
+    cluster, steps_, indices = (
+        np.asarray(a) for a in (sample.cluster, sample.steps, sample.indices)
+    )
+    for k, v in enumerate(values):  # masked places too: held items, with their own numbers
+        c, n = held[v]
+        assert (cluster[k], steps_[k], indices[k] // capacity) == (c, n, c)
+
+
+def test_clustered_order_is_uniform():
+    """Three items in two clusters: the 6 orders of an epoch equally likely (chi-square)."""
+    buffer = _clustered(eb.ClusteredBuffer, rows=3, clusters=2, capacity=4)
+    buffer = buffer.add({"x": jnp.array([0, 1, 2], jnp.int32)})
+
+    def order(key):
+        return buffer.epoch_batch(buffer.epoch(key, batch_size=3), 0)[0].experience["x"]
+
+    orders = np.asarray(jax.jit(jax.vmap(order))(jax.random.split(jax.random.key(3), 1200)))
+    perms = np.array(list(itertools.permutations(range(3))))
+    counts = (orders[:, None, :] == perms[None]).all(axis=2).sum(axis=0)
+    assert counts.sum() == 1200
+    assert chi_square_pvalue(counts, np.full(6, 1 / 6)) > 1e-3
+
+
+@pytest.mark.parametrize("kind", CLUSTERED)
+def test_clustered_epoch_refusals(kind):
+    """Nothing added: refused eagerly and recorded inside jit; an item written over since the
+    plan: its batch refused; an epoch of another buffer's size refused."""
+    buffer = _clustered(kind, rows=2, clusters=2, capacity=2)
+    name = kind.__name__
+    with pytest.raises(eqx.EquinoxRuntimeError, match=rf"{name}.epoch\(\): no item was added"):
+        buffer.epoch(jax.random.key(0), 2)
+    epoch = eqx.filter_jit(lambda b, k: b.epoch(k, 2))(buffer, jax.random.key(0))
+    with pytest.raises(eqx.EquinoxRuntimeError, match="no item was added yet"):
+        eb.check(epoch)
+    buffer = buffer.add({"x": jnp.array([0, 1], jnp.int32)})
+    epoch = buffer.epoch(jax.random.key(0), 2)
+    wrapped = buffer.add({"x": jnp.array([[2, 4], [3, 5]], jnp.int32)})  # each cluster wraps
+    sample, _ = eqx.filter_jit(lambda b, e: b.epoch_batch(e, 0))(wrapped, epoch)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="written over by adds made after"):
+        eb.check(sample)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="cluster_capacity=2 items"):
+        wrapped.epoch_batch(epoch, 0)
+    with pytest.raises(ValueError, match="num_clusters \\* cluster_capacity = 8"):
+        _clustered(kind, rows=2, clusters=2, capacity=4).epoch_batch(epoch, 0)
+
+
+def test_clustered_epoch_in_a_donated_step_and_set_priorities():
+    """A donated jitted step: add, then one epoch whose batches set every item's priority
+    (the batches' indices and steps go to `set_priorities`); one trace as the buffer grows."""
+
+    @eqx.filter_jit(donate="all")
+    @eqx.debug.assert_max_traces(max_traces=1)
+    def step(buffer, key, t):
+        buffer = buffer.add({"x": t * 2 + jnp.arange(2, dtype=jnp.int32)})
+        epoch = buffer.epoch(key, batch_size=3)
+
+        def body(i, carry):
+            buffer, total = carry
+            sample, valid = buffer.epoch_batch(epoch, i)
+            buffer = buffer.set_priorities(sample, jnp.where(valid, 2.0, 0.0))
+            return buffer, total + jnp.sum(jnp.where(valid, sample.experience["x"], 0))
+
+        return lax.fori_loop(0, epoch.num_batches(), body, (buffer, jnp.int32(0)))
+
+    buffer = _clustered(eb.PrioritisedClusteredBuffer, rows=2, clusters=2, capacity=3)
+    for t in range(5):
+        buffer, total = step(buffer, jax.random.key(t), jnp.int32(t))
+        held = [v for c in range(2) for v in list(range(c, 2 * t + 2, 2))[-3:]]
+        assert int(total) == sum(held)
+    eb.check(buffer)
+    assert float(buffer.max_priority) == 2.0

@@ -13,7 +13,7 @@ from .._errors import branched_error_if, error_if, record, recorded
 from .._protocol import AbstractReplayBuffer
 from .._ring import check_like, RingStorage
 from ._episode_ends import EpisodeEnds
-from ._epochs import Epoch, epoch_batch_windows, plan_epoch, still_held
+from ._epochs import check_epoch, Epoch, epoch_batch_windows, plan_epoch, still_held
 from ._priorities import check_priority
 from ._rules import AbstractPrioritisedRule, AbstractRule, AbstractUniformRule, count_held
 from ._samples import EpisodeSample, Sample, Transition as Transition
@@ -479,18 +479,8 @@ class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
             ```
         """
         where = f"{type(self).__name__}.epoch_batch()"
-        if not isinstance(epoch, Epoch):
-            raise TypeError(
-                f"{where}: `epoch` must be an equibuffer.Epoch made by `buffer.epoch(key, "
-                f"batch_size)`, got {type(epoch).__name__}."
-            )
         candidates = self.storage.rows * self.storage.length
-        if epoch.indices.shape != (candidates,):
-            raise ValueError(
-                f"{where}: the epoch plans {epoch.indices.shape[-1]} candidate windows, but "
-                f"this buffer has add_batch_size * max_length_time_axis = {candidates}; "
-                "plan the epoch with this buffer's `epoch`."
-            )
+        check_epoch(where, epoch, candidates, "add_batch_size * max_length_time_axis")
         record(epoch.error)  # a failure recorded while planning goes on to every batch
         indices, steps, valid = epoch_batch_windows(epoch, i, where)
         indices = error_if(

@@ -11,7 +11,7 @@ out. The plan keeps each window's start step, so a batch fetched after adds that
 planned window is refused (see `AbstractBuffer.epoch_batch`).
 """
 
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import equinox as eqx
 import jax
@@ -119,15 +119,15 @@ def epoch_batch_windows(
     return take(epoch.indices), take(epoch.steps), mask
 
 
-def plan_epoch(
-    storage: RingStorage, valid: Bool[Array, "rows length"], key: PRNGKeyArray, batch_size: int
-) -> Epoch:
-    """The plan of an epoch over the windows whose start slot is `valid`: a uniformly random
-    permutation of every flat index, stably partitioned so that the valid ones come first
-    (the order they keep is then uniform among themselves)."""
-    n = storage.rows * storage.length
+def shuffle_valid(
+    valid: Bool[Array, " candidates"], key: PRNGKeyArray
+) -> tuple[Int[Array, " candidates"], Int[Array, ""]]:
+    """A uniformly random permutation of every flat index `0, ..., candidates - 1`, stably
+    partitioned so that the `valid` ones come first (the order they keep is then uniform
+    among themselves), and their count."""
+    n = valid.shape[0]
     order = jax.random.permutation(key, n).astype(jnp.int32)
-    chosen = valid.reshape(-1).at[order].get(mode="promise_in_bounds")
+    chosen = valid.at[order].get(mode="promise_in_bounds")
     rank = jnp.cumsum(chosen, dtype=jnp.int32) - 1
     count = rank[-1] + 1
     rank_rest = jnp.cumsum(~chosen, dtype=jnp.int32) - 1
@@ -135,8 +135,34 @@ def plan_epoch(
     indices = (
         jnp.zeros(n, jnp.int32).at[place].set(order, unique_indices=True, mode="promise_in_bounds")
     )
+    return indices, count
+
+
+def plan_epoch(
+    storage: RingStorage, valid: Bool[Array, "rows length"], key: PRNGKeyArray, batch_size: int
+) -> Epoch:
+    """The plan of an epoch over the windows whose start slot is `valid` (see
+    `shuffle_valid`)."""
+    indices, count = shuffle_valid(valid.reshape(-1), key)
     steps = start_steps(storage, window_offsets(storage, indices))
     return Epoch(indices=indices, steps=steps, count=count, batch_size=batch_size)
+
+
+def check_epoch(where: str, epoch: Any, candidates: int, sizes: str) -> Epoch:
+    """`epoch` checked to be an `Epoch` planned over `candidates` windows (`sizes`: the
+    product of the buffer's sizes that gives that number, for the message)."""
+    if not isinstance(epoch, Epoch):
+        raise TypeError(
+            f"{where}: `epoch` must be an equibuffer.Epoch made by `buffer.epoch(key, "
+            f"batch_size)`, got {type(epoch).__name__}."
+        )
+    if epoch.indices.shape != (candidates,):
+        raise ValueError(
+            f"{where}: the epoch plans {epoch.indices.shape[-1]} candidate windows, but "
+            f"this buffer has {sizes} = {candidates}; plan the epoch with this buffer's "
+            "`epoch`."
+        )
+    return epoch
 
 
 def still_held(storage: RingStorage, indices: Indices, steps: Steps) -> Bool[Array, " batch"]:

@@ -10,14 +10,14 @@ a rule (`UniformInCluster`, `PrioritisedInCluster`: the state a draw needs), wit
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
-from .._buffers._epochs import no_epochs
+from .._buffers._epochs import check_epoch, Epoch, epoch_batch_windows, shuffle_valid
 from .._buffers._priorities import (
     check_alpha,
     check_beta,
@@ -27,7 +27,7 @@ from .._buffers._priorities import (
 from .._buffers._samples import Sample
 from .._checks import check_positive_int, check_row_blocks, refuse_flashbax_only
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar, StepCount, Steps
-from .._errors import recorded
+from .._errors import error_if, record, recorded
 from .._protocol import AbstractPrioritisedSource, AbstractReplayBuffer
 from .._sumtree import SumTree
 from ._rules import AbstractClusterRule, PrioritisedInCluster, UniformInCluster
@@ -139,32 +139,130 @@ class AbstractClusteredBuffer(AbstractReplayBuffer):
             return jnp.ones(self.num_clusters, jnp.float32)
         return jnp.asarray(self.weights, jnp.float32)
 
-    def epoch(self, key: PRNGKeyArray, batch_size: int) -> NoReturn:
-        """Refused (`TypeError`): a clustered buffer draws a cluster by weight, then an item
-        in it; epochs over its items are not offered (yet). Keep the items in an
-        `ItemBuffer` as well for epochs.
+    @recorded
+    def epoch(self, key: PRNGKeyArray, batch_size: int) -> Epoch:
+        """Plan an epoch: every item held now, once each, in a uniformly random order, cut
+        into batches of `batch_size` (the last one short); fetch batch `i` with
+        `epoch_batch(epoch, i)`. As for the ring buffers (see
+        [`equibuffer.AbstractBuffer.epoch`][]): inside jit, under `vmap`, with donation.
+
+        An epoch visits the items of every cluster, whatever its weight (0 included) and
+        whatever the items' priorities: the clusters' shares and the priorities make the law
+        of `sample`, with replacement; an epoch is every item once. Its plan holds one entry
+        per slot, `num_clusters * cluster_capacity`, with the `indices` and `steps` of
+        `sample` (`cluster * cluster_capacity + slot`, the item's number in its cluster).
+
+        **Arguments:**
+
+        - `key`: a JAX PRNG key; two keys give two independent orders.
+        - `batch_size`: the items per batch (static), at least 1.
+
+        **Returns:**
+
+        An [`equibuffer.Epoch`][]. Fails (inside jit: recorded in the plan and in every batch
+        fetched with it, raised by [`equibuffer.check`][]) when no item was added yet.
 
         !!! example
 
             ```python
             import equibuffer as eb, jax, jax.numpy as jnp
 
-            example, batch = {"x": jnp.zeros(2)}, {"x": jnp.ones((2, 2))}
-            clusters = eb.ClusteredBuffer(example, add_batch_size=2, num_clusters=2,
-                                          cluster_capacity=4, cluster_fn=lambda item: 0)
-            items = eb.ItemBuffer(example, add_batch_size=2, capacity=8)
-            clusters, items = clusters.add(batch), items.add(batch)
-            assert int(items.epoch(jax.random.key(0), batch_size=2).num_batches()) == 1
+            buffer = eb.ClusteredBuffer({"x": jnp.float32(0)}, add_batch_size=2, num_clusters=2,
+                                        cluster_capacity=4, weights=(1.0, 0.0),
+                                        cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
+            buffer = buffer.add({"x": jnp.array([[-1.0, 2.0, 3.0], [-4.0, 5.0, -6.0]])})
+            epoch = buffer.epoch(jax.random.key(0), batch_size=4)
+            assert int(epoch.count) == 6 and int(epoch.num_batches()) == 2
+            seen = []
+            for i in range(int(epoch.num_batches())):
+                sample, valid = buffer.epoch_batch(epoch, i)
+                seen += sample.experience["x"][valid].tolist()
+            assert sorted(seen) == [-6.0, -4.0, -1.0, 2.0, 3.0, 5.0]  # cluster 1's weight 0 too
             ```
         """
-        no_epochs(
-            f"{type(self).__name__}.epoch()",
-            (
-                "clustered buffers draw a cluster by weight, then an item inside it; epochs over "
-                "their items are not offered (yet). For epochs, add the same items to an "
-                "ItemBuffer as well and plan epochs there."
-            ),
+        where = f"{type(self).__name__}.epoch()"
+        batch_size = check_positive_int(where, "batch_size", batch_size)
+        cap = self.cluster_capacity
+        # A cluster's ring fills from slot 0 and wraps only once full: it holds `[0, fill)`.
+        held = jnp.arange(cap, dtype=jnp.int32)[None, :] < self.storage.fill[:, None]
+        indices, count = shuffle_valid(held.reshape(-1), key)
+        _, steps = self.storage.numbers(indices // cap, indices % cap)
+        count = error_if(
+            count,
+            count == 0,
+            f"{where}: no item was added yet. Add data first, or check `buffer.can_sample()`.",
         )
+        return Epoch(indices=indices, steps=steps, count=count, batch_size=batch_size)
+
+    @recorded
+    def epoch_batch(
+        self, epoch: Epoch, i: Int[ArrayLike, ""]
+    ) -> tuple[ClusteredSample, Bool[Array, " batch"]]:
+        """Batch `i` of an epoch planned by `epoch`: the items at positions
+        `i * batch_size` to `(i + 1) * batch_size - 1` of its order.
+
+        **Arguments:**
+
+        - `epoch`: an [`equibuffer.Epoch`][] of this buffer (one made by a buffer of another
+            size is refused).
+        - `i`: the batch number, a 0-d integer (a Python int, or the counter of a
+            `lax.fori_loop` / `lax.scan`).
+
+        **Returns:**
+
+        `(sample, valid)`: `sample` is a [`equibuffer.ClusteredSample`][] of `batch_size`
+        items (no probabilities or weights: an epoch is not drawn by priority), whose
+        `indices` and `steps` may be given to `set_priorities`; `valid`, `(batch_size,)`
+        bool, is true at the items of the epoch and false at the end of the last batch,
+        which runs short (those places repeat items from the start of the epoch, to be
+        masked out of the loss), and everywhere in a batch `i` outside `[0,
+        epoch.num_batches())`. When adds have written over an item of the batch since the
+        plan was made (its cluster wrapped over it), the batch fails (inside jit: recorded in
+        the sample, raised by [`equibuffer.check`][]).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, equinox as eqx, jax, jax.numpy as jnp
+            from jax import lax
+
+            buffer = eb.PrioritisedClusteredBuffer(
+                {"x": jnp.float32(0)}, add_batch_size=2, num_clusters=2, cluster_capacity=8,
+                cluster_fn=lambda item: (item["x"] > 0).astype(jnp.int32))
+            buffer = buffer.add({"x": jnp.array([[1.0, -2.0, 3.0], [4.0, 5.0, -6.0]])})
+
+            @eqx.filter_jit
+            def epoch_sum(buffer, key):
+                epoch = buffer.epoch(key, batch_size=4)
+
+                def body(i, total):
+                    sample, valid = buffer.epoch_batch(epoch, i)
+                    return total + jnp.sum(jnp.where(valid, sample.experience["x"], 0.0))
+
+                return lax.fori_loop(0, epoch.num_batches(), body, jnp.float32(0))
+
+            assert float(epoch_sum(buffer, jax.random.key(0))) == 5.0  # each item once
+            ```
+        """
+        where = f"{type(self).__name__}.epoch_batch()"
+        cap = self.cluster_capacity
+        check_epoch(where, epoch, self.num_clusters * cap, "num_clusters * cluster_capacity")
+        record(epoch.error)  # a failure recorded while planning goes on to every batch
+        indices, steps, valid = epoch_batch_windows(epoch, i, where)
+        cluster, slot = indices // cap, indices % cap
+        held, number = self.storage.numbers(cluster, slot)
+        indices = error_if(
+            indices,
+            jnp.any(valid & ~(held & (number == steps))),
+            f"{where}: an item of this epoch was written over by adds made after `epoch()` "
+            f"planned it (each cluster holds cluster_capacity={cap} items). Plan the epoch "
+            "after the adds, or add fewer items while an epoch runs.",
+        )
+        experience = self.storage.gather(cluster, slot)
+        sample = ClusteredSample(
+            experience=experience, indices=indices, steps=steps, cluster=cluster
+        )
+        return sample, valid
 
     def can_sample(self) -> BoolScalar:
         """Whether any item was ever added (0-d bool; independent of the routing, so it

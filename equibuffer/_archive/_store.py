@@ -46,9 +46,7 @@ class ArchiveLockedError(RuntimeError):
         ```python
         import equibuffer as eb, jax.numpy as jnp, tempfile
 
-        buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                     max_length_time_axis=4,
-                                     sequence_length=1)
+        buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=4)
         path = tempfile.mkdtemp() + "/run.zarr"
         with eb.Archive(path, buffer):
             try:

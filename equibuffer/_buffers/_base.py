@@ -5,7 +5,7 @@ from typing import Any, TypeAlias, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray, PyTree, Shaped
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree, Shaped
 
 from .._checks import check_positive_int, check_row_blocks, check_structure, keystr
 from .._custom_types import BoolScalar, ExperienceBatch, IntScalar, StepCount
@@ -14,7 +14,7 @@ from .._protocol import AbstractReplayBuffer
 from .._ring import check_like, RingStorage
 from ._episode_ends import EpisodeEnds
 from ._epochs import Epoch, epoch_batch_windows, plan_epoch, still_held
-from ._priorities import check_priority
+from ._priorities import check_beta, check_priority
 from ._rules import AbstractPrioritisedRule, AbstractRule, AbstractUniformRule, count_held
 from ._samples import EpisodeSample, Sample, Transition as Transition
 from ._views import AbstractView, gather_by_blocks
@@ -253,6 +253,16 @@ class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
             f"{where}: the buffer cannot be sampled yet: it needs "
             f"{self.view.needs(self.min_length_time_axis)}. Check `buffer.can_sample()` first."
         )
+
+    def _sample_arguments(
+        self, batch_size: int, row_blocks: int, beta: Any = ...
+    ) -> tuple[str, int, Float[Array, ""] | None, int]:
+        """`sample`'s arguments checked, in order: its name for errors, `batch_size`, the
+        exponent `beta` (None when not given, `...`: a uniform buffer's) and `row_blocks`."""
+        where = f"{type(self).__name__}.sample()"
+        batch_size = check_positive_int(where, "batch_size", batch_size)
+        exponent = None if beta is ... else check_beta(where, beta)
+        return where, batch_size, exponent, self._row_blocks(where, row_blocks, batch_size)
 
     def _row_blocks(self, where: str, row_blocks: int, batch_size: int) -> int:
         """`row_blocks` checked: a positive int dividing the rows and `batch_size`."""
@@ -558,9 +568,7 @@ class AbstractUniformBuffer(AbstractBuffer):
             assert t.shape == (6, 2) and (t[:, 1] == t[:, 0] + 1).all()
             ```
         """
-        where = f"{type(self).__name__}.sample()"
-        batch_size = check_positive_int(where, "batch_size", batch_size)
-        blocks = self._row_blocks(where, row_blocks, batch_size)
+        where, batch_size, _, blocks = self._sample_arguments(batch_size, row_blocks)
         drawn = self.rule.draw(
             self.storage,
             self.window,

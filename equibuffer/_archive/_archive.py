@@ -246,8 +246,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length_time_axis=16, sequence_length=1)
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=16)
             path = tempfile.mkdtemp() + "/run.zarr"
             with eb.Archive(path, buffer) as writer:
                 reader = eb.Archive(path, mode="r")
@@ -269,8 +268,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length_time_axis=16, sequence_length=1)
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=16)
             path = tempfile.mkdtemp() + "/run.zarr"
             archive = eb.Archive(path, buffer)
             archive.write(buffer.add({"x": jnp.arange(4.0)[None]}))
@@ -305,8 +303,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, zarr
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length_time_axis=4, sequence_length=1)
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=4)
             with eb.Archive(zarr.storage.MemoryStore(), buffer, on_lost="warn") as archive:
                 archive.write(buffer.add({"x": jnp.arange(3.0)[None]}))
                 assert archive.source_steps == len(archive) == 3
@@ -323,8 +320,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, warnings, zarr
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length_time_axis=4, sequence_length=1)
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=4)
             with eb.Archive(zarr.storage.MemoryStore(), buffer, on_lost="warn") as archive:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # the StepsLostWarning
@@ -345,8 +341,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, zarr
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length_time_axis=8, sequence_length=1)
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=8)
             with eb.Archive(zarr.storage.MemoryStore(), buffer) as archive:
                 assert archive.segments == []
                 archive.write(buffer.add({"x": jnp.arange(5.0)[None]}))
@@ -363,8 +358,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, tempfile, warnings
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length_time_axis=4, sequence_length=1)
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=4)
             with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer, on_lost="warn") as archive:
                 buffer = buffer.add({"x": jnp.arange(4.0)[None]})
                 archive.write(buffer)  # source steps 0 to 3
@@ -391,8 +385,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, zarr
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length_time_axis=4, sequence_length=1)
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=4)
             store = zarr.storage.MemoryStore()
             with eb.Archive(store, buffer) as writer:
                 assert not writer.read_only and eb.Archive(store, mode="r").read_only
@@ -409,8 +402,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, zarr
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=3,
-                                         max_length_time_axis=4, sequence_length=1)
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=3, capacity=12)
             assert eb.Archive(zarr.storage.MemoryStore(), buffer).rows == 3
             ```
         """
@@ -425,8 +417,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, zarr
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.zeros(1024)}, add_batch_size=1,
-                                         max_length_time_axis=4, sequence_length=1)
+            buffer = eb.ItemBuffer({"x": jnp.zeros(1024)}, add_batch_size=1, capacity=4)
             archive = eb.Archive(zarr.storage.MemoryStore(), buffer)
             assert archive.chunk_steps == 32  # 4 KiB per step: 128 KiB chunks
             ```
@@ -442,8 +433,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, zarr
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.zeros(1024)}, add_batch_size=1,
-                                         max_length_time_axis=4, sequence_length=1)
+            buffer = eb.ItemBuffer({"x": jnp.zeros(1024)}, add_batch_size=1, capacity=4)
             store = zarr.storage.MemoryStore()
             assert eb.Archive(store, buffer, chunk_steps=8, shard_steps=64).shard_steps == 64
             assert eb.Archive(zarr.storage.MemoryStore(), buffer, shard_steps=0).shard_steps is None
@@ -460,8 +450,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, zarr
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.zeros(1024)}, add_batch_size=1,
-                                         max_length_time_axis=4, sequence_length=1)
+            buffer = eb.ItemBuffer({"x": jnp.zeros(1024)}, add_batch_size=1, capacity=4)
             archive = eb.Archive(zarr.storage.MemoryStore(), buffer)
             assert archive.block_steps * 4096 == 32 << 20
             ```
@@ -477,8 +466,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, zarr
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length_time_axis=4, sequence_length=1)
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=4)
             archive = eb.Archive(zarr.storage.MemoryStore(), buffer, compression="lz4")
             assert archive.compression == "lz4"
             ```
@@ -494,8 +482,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, zarr
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length_time_axis=4, sequence_length=1)
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=4)
             archive = eb.Archive(zarr.storage.MemoryStore(), buffer)
             archive.progress = False
             assert not archive.progress
@@ -515,8 +502,8 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
-            buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(64, jnp.uint8)}, add_batch_size=2,
-                                         max_length_time_axis=1024, sequence_length=1)
+            buffer = eb.ItemBuffer({"obs": jnp.zeros(64, jnp.uint8)}, add_batch_size=2,
+                                   capacity=2048)
             buffer = buffer.add({"obs": jnp.zeros((2, 1024, 64), jnp.uint8)})
             with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
                 archive.write(buffer)
@@ -535,8 +522,8 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
-            buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(64, jnp.uint8)}, add_batch_size=2,
-                                         max_length_time_axis=1024, sequence_length=1)
+            buffer = eb.ItemBuffer({"obs": jnp.zeros(64, jnp.uint8)}, add_batch_size=2,
+                                   capacity=2048)
             buffer = buffer.add({"obs": jnp.zeros((2, 1024, 64), jnp.uint8)})
             with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
                 archive.write(buffer)
@@ -576,8 +563,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length_time_axis=16, sequence_length=1)
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=16)
             with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
                 buffer = buffer.add({"x": jnp.arange(3.0)[None]})
                 assert archive.write(buffer) == 3  # the 3 new steps
@@ -615,8 +601,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length_time_axis=4, sequence_length=1)
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=4)
             with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
                 for t in range(3):
                     buffer = buffer.add({"x": jnp.full((1, 4), t, jnp.float32)})
@@ -636,8 +621,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length_time_axis=16, sequence_length=1)
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=16)
             with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
                 buffer = buffer.add({"x": jnp.arange(4.0)[None]})
                 future = archive.write_async(buffer)
@@ -665,9 +649,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
-            buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(3)}, add_batch_size=2,
-                                         max_length_time_axis=16,
-                                         sequence_length=1)
+            buffer = eb.ItemBuffer({"obs": jnp.zeros(3)}, add_batch_size=2, capacity=32)
             path = tempfile.mkdtemp() + "/run.zarr"
             with eb.Archive(path, buffer) as archive:
                 archive.write(buffer.add({"obs": jnp.arange(60.0).reshape(2, 10, 3)}))
@@ -697,8 +679,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax.numpy as jnp, tempfile
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length_time_axis=16, sequence_length=1)
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=16)
             with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
                 archive.write(buffer.add({"x": jnp.arange(10.0)[None]}))
                 blocks = list(archive.iter(4))
@@ -746,8 +727,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax, jax.numpy as jnp, tempfile
 
-            buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                         max_length_time_axis=16, sequence_length=1)
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=16)
             path = tempfile.mkdtemp() + "/run.zarr"
             with eb.Archive(path, buffer) as archive:
                 archive.write(buffer.add({"x": jnp.arange(10.0)[None]}))
@@ -851,9 +831,7 @@ class Archive:
             ```python
             import equibuffer as eb, jax, jax.numpy as jnp, numpy as np, tempfile
 
-            buffer = eb.TrajectoryBuffer({"t": jnp.float32(0)}, add_batch_size=2,
-                                         max_length_time_axis=16,
-                                         sequence_length=1)
+            buffer = eb.ItemBuffer({"t": jnp.float32(0)}, add_batch_size=2, capacity=32)
             with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
                 archive.write(buffer.add({"t": jnp.tile(jnp.arange(16.0), (2, 1))}))  # t at t
                 batch = archive.sample(jax.random.key(0), 8, sequence_length=4, period=2)

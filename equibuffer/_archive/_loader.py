@@ -165,8 +165,7 @@ class ArchiveLoader:
         ```python
         import equibuffer as eb, jax, jax.numpy as jnp, numpy as np, tempfile
 
-        buffer = eb.TrajectoryBuffer({"t": jnp.int32(0)}, add_batch_size=2,
-                                     max_length_time_axis=64, sequence_length=1)
+        buffer = eb.ItemBuffer({"t": jnp.int32(0)}, add_batch_size=2, capacity=128)
         buffer = buffer.add({"t": jnp.tile(jnp.arange(64, dtype=jnp.int32), (2, 1))})
         with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
             archive.write(buffer)

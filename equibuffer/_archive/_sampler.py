@@ -25,9 +25,7 @@ class ArchiveSample(NamedTuple):
         ```python
         import equibuffer as eb, jax, jax.numpy as jnp, zarr
 
-        buffer = eb.TrajectoryBuffer({"t": jnp.float32(0)}, add_batch_size=2,
-                                     max_length_time_axis=16,
-                                     sequence_length=1)
+        buffer = eb.ItemBuffer({"t": jnp.float32(0)}, add_batch_size=2, capacity=32)
         buffer = buffer.add({"t": jnp.tile(jnp.arange(16.0), (2, 1))})  # step t holds t
         with eb.Archive(zarr.storage.MemoryStore(), buffer) as archive:
             archive.write(buffer)
@@ -214,9 +212,7 @@ def as_jax(
         ```python
         import equibuffer as eb, jax, jax.numpy as jnp, tempfile
 
-        buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(3)}, add_batch_size=2,
-                                     max_length_time_axis=16,
-                                     sequence_length=1)
+        buffer = eb.ItemBuffer({"obs": jnp.zeros(3)}, add_batch_size=2, capacity=32)
         buffer = buffer.add({"obs": jnp.ones((2, 16, 3))})
         with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
             archive.write(buffer)

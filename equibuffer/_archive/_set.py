@@ -44,8 +44,7 @@ class ArchiveSet:
 
         folder = tempfile.mkdtemp()
         for host in range(2):  # each host's writer: its own archive of its own rows
-            buffer = eb.TrajectoryBuffer({"t": jnp.float32(0)}, add_batch_size=2,
-                                         max_length_time_axis=8, sequence_length=1)
+            buffer = eb.ItemBuffer({"t": jnp.float32(0)}, add_batch_size=2, capacity=16)
             buffer = buffer.add({"t": jnp.full((2, 8), float(host))})
             with eb.Archive(f"{folder}/host{host}.zarr", buffer) as archive:
                 archive.write(buffer)

@@ -46,9 +46,7 @@ class ArchiveLockedError(RuntimeError):
         ```python
         import equibuffer as eb, jax.numpy as jnp, tempfile
 
-        buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                     max_length_time_axis=4,
-                                     sequence_length=1)
+        buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=4)
         path = tempfile.mkdtemp() + "/run.zarr"
         with eb.Archive(path, buffer):
             try:
@@ -504,29 +502,26 @@ class WriterLock:
 
 # ------------------------------------------------------------------------------ threads
 
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+@functools.cache
+def _pool(workers: int, name: str) -> concurrent.futures.ThreadPoolExecutor:
+    """One pool of `workers` threads named `name`, made at its first use."""
+    return concurrent.futures.ThreadPoolExecutor(workers, name)
 
 
 def io_pool() -> concurrent.futures.ThreadPoolExecutor:
     """Threads for chunk I/O: the codecs release the GIL, and so does file I/O."""
-    global _POOL
-    if _POOL is None:
-        _POOL = concurrent.futures.ThreadPoolExecutor(_THREADS, "equibuffer-archive")
-    return _POOL
+    return _pool(_THREADS, "equibuffer-archive")
 
 
 # Shards a long read fetches ahead of its decoding (each about 16 MiB), on threads of their own:
 # a fetch waited on by a decoding thread must never queue behind decoding work.
 READ_AHEAD = 3
-_FETCH_POOL: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def fetch_pool() -> concurrent.futures.ThreadPoolExecutor:
     """Threads that read whole objects ahead of the I/O threads' decoding."""
-    global _FETCH_POOL
-    if _FETCH_POOL is None:
-        _FETCH_POOL = concurrent.futures.ThreadPoolExecutor(READ_AHEAD, "equibuffer-fetch")
-    return _FETCH_POOL
+    return _pool(READ_AHEAD, "equibuffer-fetch")
 
 
 def run_all(work: Callable[[Any], Any], tasks: Iterable[Any], inline: bool = False) -> Iterable:

@@ -50,9 +50,7 @@ class StepsLostError(RuntimeError):
         ```python
         import equibuffer as eb, jax.numpy as jnp, tempfile
 
-        buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                     max_length_time_axis=4,
-                                     sequence_length=1)
+        buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=4)
         with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
             buffer = buffer.add({"x": jnp.arange(6.0)[None]})  # 6 steps into a ring of 4
             try:
@@ -73,9 +71,7 @@ class StepsLostWarning(UserWarning):
         ```python
         import equibuffer as eb, jax.numpy as jnp, tempfile, warnings
 
-        buffer = eb.TrajectoryBuffer({"x": jnp.float32(0)}, add_batch_size=1,
-                                     max_length_time_axis=4,
-                                     sequence_length=1)
+        buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=4)
         with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
             buffer = buffer.add({"x": jnp.arange(6.0)[None]})  # 6 steps into a ring of 4
             with warnings.catch_warnings(record=True) as caught:

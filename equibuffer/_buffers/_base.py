@@ -254,6 +254,12 @@ class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
             f"{self.view.needs(self.min_length_time_axis)}. Check `buffer.can_sample()` first."
         )
 
+    def _sample_arguments(self, batch_size: int, row_blocks: int) -> tuple[str, int, int]:
+        """`sample`'s name for errors, and its `batch_size` and `row_blocks` checked."""
+        where = f"{type(self).__name__}.sample()"
+        batch_size = check_positive_int(where, "batch_size", batch_size)
+        return where, batch_size, self._row_blocks(where, row_blocks, batch_size)
+
     def _row_blocks(self, where: str, row_blocks: int, batch_size: int) -> int:
         """`row_blocks` checked: a positive int dividing the rows and `batch_size`."""
         sizes = {"add_batch_size": self.storage.rows, "batch_size": batch_size}
@@ -548,9 +554,7 @@ class AbstractUniformBuffer(AbstractBuffer):
             assert t.shape == (6, 2) and (t[:, 1] == t[:, 0] + 1).all()
             ```
         """
-        where = f"{type(self).__name__}.sample()"
-        batch_size = check_positive_int(where, "batch_size", batch_size)
-        blocks = self._row_blocks(where, row_blocks, batch_size)
+        where, batch_size, blocks = self._sample_arguments(batch_size, row_blocks)
         drawn = self.rule.draw(
             self.storage,
             self.window,

@@ -6,7 +6,7 @@ from typing import TypeVar
 import equinox as eqx
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._checks import check_positive_int, refuse_flashbax_only
+from .._checks import refuse_flashbax_only
 from .._custom_types import ExampleTree, Steps
 from .._errors import recorded
 from .._protocol import AbstractPrioritisedSource
@@ -125,10 +125,8 @@ class AbstractPrioritisedBuffer(AbstractBuffer, AbstractPrioritisedSource):
             assert jnp.allclose(sample.probabilities, 0.1) and jnp.allclose(sample.weights, 1.0)
             ```
         """
-        where = f"{type(self).__name__}.sample()"
-        batch_size = check_positive_int(where, "batch_size", batch_size)
+        where, batch_size, blocks = self._sample_arguments(batch_size, row_blocks)
         exponent = check_beta(where, beta)
-        blocks = self._row_blocks(where, row_blocks, batch_size)
         drawn = self.rule.draw(
             self.storage,
             self.window,
@@ -422,8 +420,9 @@ class PrioritisedItemBuffer(PrioritisedBuffer):
 
         buffer = eb.PrioritisedItemBuffer({"x": jnp.zeros(3)}, add_batch_size=4, capacity=100)
         buffer = buffer.add({"x": jnp.ones((4, 3))})
-        sample = buffer.sample(jax.random.key(0), batch_size=16)
-        assert sample.experience["x"].shape == (16, 3)
+        sample = buffer.sample(jax.random.key(0), batch_size=16, beta=0.4)
+        buffer = buffer.set_priorities(sample, jnp.abs(sample.experience["x"][:, 0]) + 1e-3)
+        assert sample.weights.shape == (16,) and float(buffer.max_priority) > 1.0
         ```
 
     It is [`equibuffer.PrioritisedBuffer`][] with `rule=Prioritised(alpha)` and

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import scipy.stats
 
 import equibuffer as eb
 from equibuffer._archive import ring_holding
@@ -134,6 +133,8 @@ def test_law_is_uniform_over_windows_chi_square(tmp_path):
     assert len(per_epoch) == epochs
     first = np.array([s for e in range(epochs) for _, s in per_epoch[e][:bs]])
     counts = np.bincount(first, minlength=128)
+    import scipy.stats  # (imported when used: it takes ~2 s in each test process)
+
     assert scipy.stats.chisquare(counts).pvalue > 1e-3
     blocks = np.bincount([per_epoch[e][0][1] // 16 for e in range(epochs)], minlength=8)
     assert scipy.stats.chisquare(blocks).pvalue > 1e-3

@@ -38,6 +38,11 @@ QUICK = ["-m", "not slow and not thorough and not examples", "--hypothesis-profi
 
 
 def install(session: nox.Session, *groups: str, package: str = ".") -> None:
+    # The session's processes write bytecode even where the machine sets
+    # PYTHONDONTWRITEBYTECODE (this one does): else every test process (the two workers and
+    # those the tests start) compiles jax, numpy, zarr, hypothesis, ... from source at its
+    # start, about 6 s each on 2 cores. (The files go under .nox/ and __pycache__/: ignored.)
+    session.env["PYTHONDONTWRITEBYTECODE"] = ""
     deps = [d for g in groups for d in nox.project.dependency_groups(PYPROJECT, g)]
     session.install("-e", package, *deps)
 

@@ -522,23 +522,28 @@ class SumTree(eqx.Module):
         return indices.astype(jnp.int32)
 
     def _flat(self) -> tuple[Float[Array, " nodes"], int]:
-        """The node array as one flat array, and the number of trees in it (one)."""
+        """The node array, and the number of trees in it (one)."""
         return self.nodes, 1
+
+    def _grid(self) -> Float[Array, " nodes"]:
+        """The nodes, one row per tree (here a single row, without its axis)."""
+        return self.nodes
 
 
 class SumTrees(eqx.Module):
     """`trees` sum trees of one capacity and layout (those of [`equibuffer.SumTree`][]) in
-    one `(trees, nodes)` array, row `t` the node array of tree `t`, for the clustered
-    buffers (one tree per cluster, leaf = slot): a batch of writes addressed by `(tree,
-    leaf)` is one scatter, and each draw descends its own tree only, whatever the number of
-    trees.
+    one flat array, the node arrays of the trees end to end (tree `t`'s node `i` at `t *
+    nodes + i`, `nodes` the size of one tree's), for the clustered buffers (one tree per
+    cluster, leaf = slot): a batch of writes addressed by `(tree, leaf)` is one scatter, and
+    each draw descends its own tree only, whatever the number of trees. (Flat rather than
+    `(trees, nodes)`: XLA copied a donated 2-d array on a write through its flat view.)
 
-    The operations are `SumTree`'s, run on the rows of the flat node array (tree `t`'s node
-    `i` at `t * nodes + i`): a write recomputes the touched nodes of every tree level by
-    level with one gather and one scatter per level (the batch's trees mixed), the levels a
-    batch touches about everywhere (over all the trees) densely; a search gathers each
-    query's children from its own tree, one level per step, so each query costs what it
-    costs in a `SumTree` and never leaves its tree, whatever the float rounding.
+    The operations are `SumTree`'s, run on the trees laid end to end: a write recomputes
+    the touched nodes of every tree level by level with one gather and one scatter per level
+    (the batch's trees mixed), the levels a batch touches about everywhere (over all the
+    trees) densely; a search gathers each query's children from its own tree, one level per
+    step, so each query costs what it costs in a `SumTree` and never leaves its tree,
+    whatever the float rounding.
 
     **Arguments:**
 
@@ -546,7 +551,7 @@ class SumTrees(eqx.Module):
     - `capacity`, `fanout`, `top`: as for `SumTree`, the same for every tree.
     """
 
-    nodes: Float[Array, "trees nodes"]
+    nodes: Float[Array, " trees_times_nodes"]
     capacity: int = eqx.field(static=True)
     fanout: int = eqx.field(static=True)
     top: int = eqx.field(static=True)
@@ -562,20 +567,25 @@ class SumTrees(eqx.Module):
                 f"SumTrees(): {trees} trees of capacity {capacity} have more nodes than int32 "
                 "indexes (about 2**31); use fewer or smaller trees."
             )
-        self.nodes = jnp.zeros((trees, one.nodes.shape[0]), jnp.float32)
+        self.nodes = jnp.zeros(trees * one.nodes.shape[0], jnp.float32)
+
+    @property
+    def trees(self) -> int:
+        """The number of trees."""
+        return self.nodes.shape[0] // _layout(self.capacity, self.fanout, self.top)[1][-1]
 
     def tree(self, t: int) -> SumTree:
-        """Tree `t` as a `SumTree` (a copy of its row)."""
+        """Tree `t` as a `SumTree` (a copy of its nodes)."""
         one = SumTree(self.capacity, self.fanout, self.top)
-        return eqx.tree_at(lambda tree: tree.nodes, one, self.nodes[t])
+        return eqx.tree_at(lambda tree: tree.nodes, one, self._grid()[t])
 
     def totals(self) -> Float[Array, " trees"]:
         """The total of each tree (its root)."""
-        return self.nodes[:, -1]
+        return self._grid()[:, -1]
 
     def values(self) -> Float[Array, "trees capacity"]:
         """The leaves of every tree."""
-        return self.nodes[:, : self.capacity]
+        return self._grid()[:, : self.capacity]
 
     def write(
         self,
@@ -595,8 +605,7 @@ class SumTrees(eqx.Module):
         layout = _layout(self.capacity, self.fanout, self.top)
         tree = tree.astype(jnp.int32)
         nodes = _write(nodes, layout, self.fanout, leaf, values, mask, unique_indices, tree, trees)
-        nodes = _with_roots(nodes, layout[1], trees)
-        return eqx.tree_at(lambda t: t.nodes, self, nodes.reshape(self.nodes.shape))
+        return eqx.tree_at(lambda t: t.nodes, self, _with_roots(nodes, layout[1], trees))
 
     def search(
         self, tree: Int[Array, " batch"], prefix: Float[Array, " batch"]
@@ -639,8 +648,12 @@ class SumTrees(eqx.Module):
         return leaves.reshape(blocks, per), values.reshape(blocks, per)
 
     def _flat(self) -> tuple[Float[Array, " nodes"], int]:
-        """The node arrays of every tree, end to end in one flat array, and their number."""
-        return self.nodes.reshape(-1), self.nodes.shape[0]
+        """The node arrays of every tree, end to end, and their number."""
+        return self.nodes, self.trees
+
+    def _grid(self) -> Float[Array, "trees nodes"]:
+        """The nodes, one row per tree."""
+        return self.nodes.reshape(self.trees, -1)
 
 
 def read_once(*arrays: Any, blocks: int = 1) -> Any:
@@ -856,8 +869,9 @@ def _block_runs(tree: "SumTree | SumTrees", blocks: int) -> tuple[int, Array, Ar
     leaves, level = tree.capacity // blocks, 0
     while level < len(sizes) - 2 and leaves % tree.fanout == 0:
         leaves, level = leaves // tree.fanout, level + 1
-    runs = tree.nodes[..., offsets[level] : offsets[level] + blocks * leaves]
-    runs = runs.reshape(*tree.nodes.shape[:-1], blocks, leaves)
+    grid = tree._grid()
+    runs = grid[..., offsets[level] : offsets[level] + blocks * leaves]
+    runs = runs.reshape(*grid.shape[:-1], blocks, leaves)
     axis = runs.ndim - 1
     running = jax.lax.cummax(jax.lax.associative_scan(jnp.add, runs, axis=axis), axis=axis)
     return level, runs, running

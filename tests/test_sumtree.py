@@ -434,7 +434,8 @@ def _check_trees(trees: SumTrees, ref: np.ndarray) -> None:
     for t in range(ref.shape[0]):
         _check_against(trees.tree(t), ref[t])
     np.testing.assert_array_equal(np.asarray(trees.values()), ref)
-    np.testing.assert_array_equal(np.asarray(trees.totals()), np.asarray(trees.nodes[:, -1]))
+    roots = [float(trees.tree(t).total()) for t in range(ref.shape[0])]
+    np.testing.assert_array_equal(np.asarray(trees.totals()), roots)
 
 
 _trees_write = eqx.filter_jit(SumTrees.write)
@@ -560,5 +561,5 @@ def test_sum_trees_construction_errors():
     with pytest.raises(ValueError, match="more nodes than int32"):
         SumTrees(2**12, 2**20)
     trees = SumTrees(3, 5, 2, 1)
-    assert trees.nodes.shape == (3, SumTree(5, 2, 1).nodes.shape[0])
+    assert trees.trees == 3 and trees.nodes.shape == (3 * SumTree(5, 2, 1).nodes.shape[0],)
     assert trees.tree(2).capacity == 5 and trees.tree(2).fanout == 2

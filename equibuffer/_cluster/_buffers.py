@@ -437,8 +437,8 @@ class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSou
     - `can_sample()` depends only on the counters (any add made); `sample` raises when no
         cluster of positive weight holds an item, or when every item of those has priority 0.
 
-    Each cluster has its own sum tree (`trees[c]`, leaf = slot), all of them rows of one
-    array: an add or a `set_priorities` writes them all at once, and a draw descends only
+    Each cluster has its own sum tree (`trees[c]`, leaf = slot), all of them in one array
+    end to end: an add or a `set_priorities` writes them all at once, and a draw descends only
     its drawn cluster's tree (`O(B * log(cluster_capacity))` for `B` elements, whatever the
     number of clusters), so it never leaves its cluster, whatever the float rounding.
 
@@ -498,8 +498,8 @@ class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSou
     @property
     def trees(self) -> tuple[SumTree, ...]:
         """One [`equibuffer.SumTree`][] per cluster, leaf `slot` holding `priority ** alpha`
-        of the item in that slot (0 for an empty slot): a copy of the cluster's row of the
-        buffer's batched trees (`rule.trees`, one `(num_clusters, nodes)` array)."""
+        of the item in that slot (0 for an empty slot): a copy of the cluster's tree from
+        the buffer's batched trees (`rule.trees`, every cluster's tree in one array)."""
         return tuple(self.rule.trees.tree(c) for c in range(self.num_clusters))
 
     @property

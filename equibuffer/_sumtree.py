@@ -7,6 +7,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from ._checks import BARRIER_EXPANDED, check_positive_int
@@ -276,52 +277,8 @@ class SumTree(eqx.Module):
             assert tree.values().tolist() == [1.0, 0.0, 6.0, 4.0]
             ```
         """
-        k = self.fanout
-        sizes, offsets = _layout(self.capacity, self.fanout, self.top)
-        nodes, end = self.nodes, offsets[-1]  # (an index past the end: dropped by a scatter)
-        indices = indices.astype(jnp.int32)
-        values = _flush_subnormal(values)
-        target = indices if mask is None else jnp.where(mask, indices, end)
-        if not unique_indices:
-            nodes, target = _last_of_each(nodes, sizes[0], indices, target, end)
-        nodes = nodes.at[target].set(values, mode="drop", unique_indices=True)
-        # Recompute the touched node of each level above from its children. A skipped entry
-        # recomputes its (unchanged) nodes too, which is harmless; entries sharing a node
-        # write the same sum (so their order does not matter). The lower levels, where the
-        # batch touches few of the nodes: one gather of the children and one scatter of their
-        # sums each; the levels above, which a batch touches about everywhere: recomputed
-        # whole (one dense sum each).
-        batch = indices.shape[0]
-        sparse = sum(1 for n in sizes[:-2] if batch * k < n)  # a prefix of the levels
-
-        def level_up(
-            level: Int[Array, ""] | int, carry: tuple[Array, Array]
-        ) -> tuple[Array, Array]:
-            nodes, node = carry
-            node = jax.lax.div(node, jnp.int32(k))  # (indices are non-negative)
-            if isinstance(level, int):  # the children read from their own level (`_level`)
-                children = _rows(_level(nodes, level - 1, sizes, offsets), node * k, k)
-                at = offsets[level] + node
-            else:
-                starts = jnp.asarray(offsets, jnp.int32)
-                children = _rows(nodes, starts[level - 1] + node * k, k)
-                at = starts[level] + node
-            return nodes.at[at].set(children.sum(axis=1), mode="promise_in_bounds"), node
-
-        if batch <= _SMALL_WRITE:
-            # A `fori_loop` over the levels keeps a small write (the few leaves of a one-step
-            # `add`) under XLA:CPU's estimate for running a program in the calling thread,
-            # which counts a loop's body once.
-            nodes, _ = jax.lax.fori_loop(1, sparse + 1, level_up, (nodes, indices))
-        else:
-            carry = (nodes, indices)
-            for level in range(1, sparse + 1):
-                carry = level_up(level, carry)
-            nodes = carry[0]
-        for level in range(sparse + 1, len(sizes) - 1):
-            sums = _level(nodes, level - 1, sizes, offsets).reshape(-1, k).sum(axis=1)
-            sums = _pad_to(sums, sizes[level])
-            nodes = jax.lax.dynamic_update_slice(nodes, sums, (offsets[level],))
+        layout = _layout(self.capacity, self.fanout, self.top)
+        nodes = _write(self.nodes, layout, self.fanout, indices, values, mask, unique_indices)
         return self._with_root(nodes)
 
     def write_block(self, start: Int[ArrayLike, ""], values: Float[Array, " m"]) -> "SumTree":
@@ -491,7 +448,7 @@ class SumTree(eqx.Module):
         # which costs more than this work at batch sizes of a few hundred).
         sizes, offsets = _layout(self.capacity, self.fanout, self.top)
         node, before, value = _descend(self.nodes[None, offsets[-3] : offsets[-2]], u)
-        return self._descend_from(len(sizes) - 2, node, u - before, value)
+        return _descend_from(self, len(sizes) - 2, node, u - before, value)
 
     def block_totals(self, blocks: int) -> Float[Array, " blocks"]:
         """The sum of the leaves of each of `blocks` equal runs of consecutive leaves (block
@@ -508,7 +465,7 @@ class SumTree(eqx.Module):
             assert tree.block_totals(2).tolist() == [3.0, 4.0]  # leaves 0-2 and 3-5
             ```
         """
-        return self._block_runs(blocks)[2][:, -1]
+        return _block_runs(self, blocks)[2][:, -1]
 
     def search_blocks(
         self, prefix: Float[Array, "blocks per_block"]
@@ -537,76 +494,22 @@ class SumTree(eqx.Module):
             ```
         """
         blocks, per = prefix.shape
-        level, runs, running = self._block_runs(blocks)
+        level, runs, running = _block_runs(self, blocks)
         u = prefix.astype(jnp.float32)
-        width = runs.shape[1]
-        # The first node whose running sum passes `u`, moved on to the first positive node
-        # at or after it (or back to the block's last positive node): a zero node is never
-        # entered, whatever order the running sums were added in.
-        count = jax.vmap(lambda r, q: jnp.searchsorted(r, q, side="right"))(running, u)
-        index = jnp.arange(width, dtype=jnp.int32)
-        positive = runs > 0
-        upcoming = jax.lax.cummin(jnp.where(positive, index, width), axis=1, reverse=True)
-        last = jnp.max(jnp.where(positive, index, 0), axis=1, keepdims=True)
-        start = jnp.minimum(count, width - 1).astype(jnp.int32)
-        child = jnp.take_along_axis(upcoming, start, axis=1)
-        child = jnp.where(child < width, child, last)
-        before = jnp.take_along_axis(running, jnp.maximum(child - 1, 0), axis=1)
-        before = jnp.where(child > 0, before, 0.0)
-        value = jnp.take_along_axis(runs, child, axis=1)
-        node = child + (jnp.arange(blocks, dtype=jnp.int32) * width)[:, None]
+        child, before, value = _enter_runs(runs, running, u)
+        node = child + (jnp.arange(blocks, dtype=jnp.int32) * runs.shape[1])[:, None]
         remainder = jnp.maximum(u - before, 0.0)
-        leaves, values = self._descend_from(
-            level, node.reshape(-1), remainder.reshape(-1), value.reshape(-1)
+        leaves, values = _descend_from(
+            self, level, node.reshape(-1), remainder.reshape(-1), value.reshape(-1)
         )
         return leaves.reshape(blocks, per), values.reshape(blocks, per)
 
     # ---------------------------------------------------------------- helpers
 
-    def _descend_from(
-        self,
-        level: int,
-        node: Int[Array, " batch"],
-        u: Float[Array, " batch"],
-        value: Float[Array, " batch"],
-    ) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
-        """From `node` of `level` (of value `value`) and the prefix `u` inside it, down to
-        the leaf holding it, and its value."""
-        k = self.fanout
-        sizes, offsets = _layout(self.capacity, self.fanout, self.top)
-        barrier = jax.lax.optimization_barrier if level > 1 else lambda x: x
-        node, u = barrier((node, u))
-        for below in reversed(range(level)):
-            children = barrier(_rows(_level(self.nodes, below, sizes, offsets), node * k, k))
-            child, before, value = _descend(children, u)
-            node, u = barrier((node * k + child, u - before))
-        return jnp.minimum(node, self.capacity - 1), value
-
-    def _block_runs(
-        self, blocks: int
-    ) -> tuple[int, Float[Array, "blocks width"], Float[Array, "blocks width"]]:
-        """The lowest level whose nodes each lie in one of `blocks` equal blocks of leaves,
-        the run of its nodes in each block, and their running sums (made non-decreasing)."""
-        where = "SumTree.search_blocks()"
-        blocks = check_positive_int(where, "blocks", blocks)
-        if self.capacity % blocks:
-            raise ValueError(
-                f"{where}: {blocks} blocks do not divide the capacity {self.capacity} evenly."
-            )
-        sizes, offsets = _layout(self.capacity, self.fanout, self.top)
-        leaves, level = self.capacity // blocks, 0
-        while level < len(sizes) - 2 and leaves % self.fanout == 0:
-            leaves, level = leaves // self.fanout, level + 1
-        runs = self.nodes[offsets[level] : offsets[level] + blocks * leaves]
-        runs = runs.reshape(blocks, leaves)
-        running = jax.lax.cummax(jax.lax.associative_scan(jnp.add, runs, axis=1), axis=1)
-        return level, runs, running
-
     def _with_root(self, nodes: Float[Array, " nodes"]) -> "SumTree":
         """The tree holding `nodes`, its root recomputed as the sum of the top level."""
         _, offsets = _layout(self.capacity, self.fanout, self.top)
-        top = nodes[offsets[-3] : offsets[-2]]
-        return eqx.tree_at(lambda t: t.nodes, self, nodes.at[-1].set(jnp.sum(top)))
+        return eqx.tree_at(lambda t: t.nodes, self, _with_roots(nodes, offsets))
 
     def _check_indices(self, where: str, indices: Int[ArrayLike, " batch"]) -> Int[Array, " b"]:
         """Static checks (shape, dtype); the range is checked by the caller, with the rest."""
@@ -617,6 +520,140 @@ class SumTree(eqx.Module):
                 f"and dtype {indices.dtype}."
             )
         return indices.astype(jnp.int32)
+
+    def _flat(self) -> tuple[Float[Array, " nodes"], int]:
+        """The node array, and the number of trees in it (one)."""
+        return self.nodes, 1
+
+    def _grid(self) -> Float[Array, " nodes"]:
+        """The nodes, one row per tree (here a single row, without its axis)."""
+        return self.nodes
+
+
+class SumTrees(eqx.Module):
+    """`trees` sum trees of one capacity and layout (those of [`equibuffer.SumTree`][]) in
+    one flat array, the node arrays of the trees end to end (tree `t`'s node `i` at `t *
+    nodes + i`, `nodes` the size of one tree's), for the clustered buffers (one tree per
+    cluster, leaf = slot): a batch of writes addressed by `(tree, leaf)` is one scatter, and
+    each draw descends its own tree only, whatever the number of trees. (Flat rather than
+    `(trees, nodes)`: XLA copied a donated 2-d array on a write through its flat view.)
+
+    The operations are `SumTree`'s, run on the trees laid end to end: a write recomputes
+    the touched nodes of every tree level by level with one gather and one scatter per level
+    (the batch's trees mixed), the levels a batch touches about everywhere (over all the
+    trees) densely; a search gathers each query's children from its own tree, one level per
+    step, so each query costs what it costs in a `SumTree` and never leaves its tree,
+    whatever the float rounding.
+
+    **Arguments:**
+
+    - `trees`: the number of trees, any positive int.
+    - `capacity`, `fanout`, `top`: as for `SumTree`, the same for every tree.
+    """
+
+    nodes: Float[Array, " trees_times_nodes"]
+    capacity: int = eqx.field(static=True)
+    fanout: int = eqx.field(static=True)
+    top: int = eqx.field(static=True)
+
+    def __init__(
+        self, trees: int, capacity: int, fanout: int = _DEFAULT_FANOUT, top: int = _DEFAULT_TOP
+    ):
+        one = SumTree(capacity, fanout, top)  # (its arguments checked)
+        trees = check_positive_int("SumTrees()", "trees", trees)
+        self.capacity, self.fanout, self.top = one.capacity, one.fanout, one.top
+        if trees * one.nodes.shape[0] >= 2**31:
+            raise ValueError(
+                f"SumTrees(): {trees} trees of capacity {capacity} have more nodes than int32 "
+                "indexes (about 2**31); use fewer or smaller trees."
+            )
+        self.nodes = jnp.zeros(trees * one.nodes.shape[0], jnp.float32)
+
+    @property
+    def trees(self) -> int:
+        """The number of trees."""
+        return self.nodes.shape[0] // _layout(self.capacity, self.fanout, self.top)[1][-1]
+
+    def tree(self, t: int) -> SumTree:
+        """Tree `t` as a `SumTree` (a copy of its nodes)."""
+        one = SumTree(self.capacity, self.fanout, self.top)
+        return eqx.tree_at(lambda tree: tree.nodes, one, self._grid()[t])
+
+    def totals(self) -> Float[Array, " trees"]:
+        """The total of each tree (its root)."""
+        return self._grid()[:, -1]
+
+    def values(self) -> Float[Array, "trees capacity"]:
+        """The leaves of every tree."""
+        return self._grid()[:, : self.capacity]
+
+    def write(
+        self,
+        indices: tuple[Int[Array, " batch"], Int[Array, " batch"]],
+        values: Float[Array, " batch"],
+        *,
+        mask: Bool[Array, " batch"] | None = None,
+        unique_indices: bool = False,
+    ) -> "SumTrees":
+        """`SumTree.write` of leaf `leaf[i]` of tree `tree[i]`, for `indices = (tree, leaf)`
+        (unchecked: trees in `[0, trees)`, leaves in `[0, capacity)`, values non-negative and
+        finite): one batch for all the trees, the same rules (the last entry not skipped wins
+        for a repeated `(tree, leaf)`, on every platform, unless `unique_indices` promises
+        there is none)."""
+        tree, leaf = indices
+        nodes, trees = self._flat()
+        layout = _layout(self.capacity, self.fanout, self.top)
+        tree = tree.astype(jnp.int32)
+        nodes = _write(nodes, layout, self.fanout, leaf, values, mask, unique_indices, tree, trees)
+        return eqx.tree_at(lambda t: t.nodes, self, _with_roots(nodes, layout[1], trees))
+
+    def search(
+        self, tree: Int[Array, " batch"], prefix: Float[Array, " batch"]
+    ) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
+        """`SumTree.search` of each `prefix[i]` in tree `tree[i]` (in `[0, totals()[tree[i]])`):
+        the leaf of that tree found, and its value."""
+        sizes, offsets = _layout(self.capacity, self.fanout, self.top)
+        nodes, trees = self._flat()
+        # (the trees through a barrier: XLA computes them once, not in each gather's indices)
+        tree, u = jax.lax.optimization_barrier((tree.astype(jnp.int32), prefix.astype(jnp.float32)))
+        top = len(sizes) - 2
+        children = _rows(_levels(nodes, top, sizes, offsets, trees), tree * sizes[top], sizes[top])
+        node, before, value = _descend(children, u)
+        return _descend_from(self, top, node, u - before, value, tree)
+
+    def block_totals(self, blocks: int) -> Float[Array, "trees blocks"]:
+        """`SumTree.block_totals` of every tree."""
+        return _block_runs(self, blocks)[2][..., -1]
+
+    def search_blocks(
+        self, tree: Int[Array, "blocks per_block"], prefix: Float[Array, "blocks per_block"]
+    ) -> tuple[Int[Array, "blocks per_block"], Float[Array, "blocks per_block"]]:
+        """`SumTree.search_blocks` of each `prefix[b, i]` in block `b` of tree `tree[b, i]`
+        (in `[0, block_totals(blocks)[tree[b, i], b])`): the leaf found, and its value. Each
+        query reads the run of nodes of its own tree's block (`SumTree.search_blocks`' first
+        level), then descends that tree."""
+        blocks, per = prefix.shape
+        level, runs, running = _block_runs(self, blocks)
+        width = runs.shape[-1]
+        tree, u = jax.lax.optimization_barrier((tree.astype(jnp.int32), prefix.astype(jnp.float32)))
+        block = jnp.arange(blocks, dtype=jnp.int32)[:, None]
+        row = (tree * blocks + block).reshape(-1)  # (the tree's run of block b)
+        runs, running = (x.reshape(-1, width)[row] for x in (runs, running))
+        child, before, value = _enter_runs(runs, running, u.reshape(-1, 1))
+        node = child.reshape(blocks, per) + block * width
+        remainder = jnp.maximum(u.reshape(-1) - before.reshape(-1), 0.0)
+        leaves, values = _descend_from(
+            self, level, node.reshape(-1), remainder, value.reshape(-1), tree.reshape(-1)
+        )
+        return leaves.reshape(blocks, per), values.reshape(blocks, per)
+
+    def _flat(self) -> tuple[Float[Array, " nodes"], int]:
+        """The node arrays of every tree, end to end, and their number."""
+        return self.nodes, self.trees
+
+    def _grid(self) -> Float[Array, "trees nodes"]:
+        """The nodes, one row per tree."""
+        return self.nodes.reshape(self.trees, -1)
 
 
 def read_once(*arrays: Any, blocks: int = 1) -> Any:
@@ -688,6 +725,179 @@ def _level(
     of what it reads, and a hand-off to another thread costs more than the few rows a batch
     reads (each gather from the upper levels of a large tree was split so)."""
     return nodes[offsets[level] : offsets[level] + sizes[level]]
+
+
+def _levels(
+    nodes: Float[Array, " nodes"],
+    level: int,
+    sizes: tuple[int, ...],
+    offsets: tuple[int, ...],
+    trees: int,
+) -> Float[Array, " size"]:
+    """Level `level` of each of the `trees` trees laid end to end in `nodes`, end to end
+    (tree `t`'s node `i` of the level at `t * sizes[level] + i`): `_level` of a single
+    tree."""
+    if trees == 1:
+        return _level(nodes, level, sizes, offsets)
+    grid = nodes.reshape(trees, -1)
+    return grid[:, offsets[level] : offsets[level] + sizes[level]].reshape(-1)
+
+
+def _plus(index: Int[Array, " batch"], tree: Int[Array, " batch"] | None, width: int) -> Array:
+    """`index` inside tree `tree` of trees `width` apart laid end to end (`index` itself for
+    a single tree, `tree` None)."""
+    return index if tree is None else tree * width + index
+
+
+def _write(
+    nodes: Float[Array, " nodes"],
+    layout: tuple[tuple[int, ...], tuple[int, ...]],
+    k: int,
+    indices: Int[Array, " batch"],
+    values: Float[Array, " batch"],
+    mask: Bool[Array, " batch"] | None,
+    unique_indices: bool,
+    tree: Int[Array, " batch"] | None = None,
+    trees: int = 1,
+) -> Float[Array, " nodes"]:
+    """`SumTree.write` on the flat `nodes` of `trees` trees of one layout laid end to end
+    (each entry in its tree `tree`; None: a single tree), every node but the roots
+    recomputed."""
+    sizes, offsets = layout
+    per = offsets[-1]
+    end = trees * per  # (an index past the end: dropped by a scatter)
+    indices = indices.astype(jnp.int32)
+    values = _flush_subnormal(values)
+    at = _plus(indices, tree, per)
+    target = at if mask is None else jnp.where(mask, at, end)
+    if not unique_indices:
+        nodes, target = _last_of_each(nodes, sizes[0] if tree is None else end, at, target, end)
+    nodes = nodes.at[target].set(values, mode="drop", unique_indices=True)
+    # Recompute the touched node of each level above from its children. A skipped entry
+    # recomputes its (unchanged) nodes too, which is harmless; entries sharing a node
+    # write the same sum (so their order does not matter). The lower levels, where the
+    # batch touches few of the nodes (of all the trees): one gather of the children and one
+    # scatter of their sums each; the levels above, which a batch touches about everywhere:
+    # recomputed whole (one dense sum each).
+    batch = indices.shape[0]
+    sparse = sum(1 for n in sizes[:-2] if batch * k < trees * n)  # a prefix of the levels
+
+    def level_up(level: Int[Array, ""] | int, carry: tuple[Array, Array]) -> tuple[Array, Array]:
+        nodes, node = carry
+        node = jax.lax.div(node, jnp.int32(k))  # (indices are non-negative)
+        if isinstance(level, int):  # the children read from their own level (`_level`)
+            below = _levels(nodes, level - 1, sizes, offsets, trees)
+            children = _rows(below, _plus(node * k, tree, sizes[level - 1]), k)
+            at = _plus(offsets[level] + node, tree, per)
+        else:
+            starts = jnp.asarray(offsets, jnp.int32)
+            children = _rows(nodes, _plus(starts[level - 1] + node * k, tree, per), k)
+            at = _plus(starts[level] + node, tree, per)
+        return nodes.at[at].set(children.sum(axis=1), mode="promise_in_bounds"), node
+
+    if batch <= _SMALL_WRITE:
+        # A `fori_loop` over the levels keeps a small write (the few leaves of a one-step
+        # `add`) under XLA:CPU's estimate for running a program in the calling thread,
+        # which counts a loop's body once.
+        nodes, _ = jax.lax.fori_loop(1, sparse + 1, level_up, (nodes, indices))
+    else:
+        carry = (nodes, indices)
+        for level in range(1, sparse + 1):
+            carry = level_up(level, carry)
+        nodes = carry[0]
+    for level in range(sparse + 1, len(sizes) - 1):
+        sums = _levels(nodes, level - 1, sizes, offsets, trees).reshape(-1, k).sum(axis=1)
+        if trees == 1:
+            sums = _pad_to(sums, sizes[level])
+            nodes = jax.lax.dynamic_update_slice(nodes, sums, (offsets[level],))
+        else:
+            # (a scatter to the level's nodes with children in every tree: written as a
+            # `dynamic_update_slice` of the `(trees, nodes)` view, XLA copied the whole array)
+            m = sums.shape[0] // trees
+            at = np.arange(trees)[:, None] * per + offsets[level] + np.arange(m)
+            at = jnp.asarray(at.reshape(-1), jnp.int32)
+            nodes = nodes.at[at].set(sums, mode="promise_in_bounds", unique_indices=True)
+    return nodes
+
+
+def _with_roots(
+    nodes: Float[Array, " nodes"], offsets: tuple[int, ...], trees: int = 1
+) -> Float[Array, " nodes"]:
+    """`nodes` (`trees` trees laid end to end) with each root recomputed as the sum of its
+    top level."""
+    if trees == 1:
+        return nodes.at[-1].set(jnp.sum(nodes[offsets[-3] : offsets[-2]]))
+    sums = jnp.sum(nodes.reshape(trees, -1)[:, offsets[-3] : offsets[-2]], axis=1)
+    roots = jnp.arange(1, trees + 1, dtype=jnp.int32) * offsets[-1] - 1
+    return nodes.at[roots].set(sums, mode="promise_in_bounds", unique_indices=True)
+
+
+def _descend_from(
+    tree: "SumTree | SumTrees",
+    level: int,
+    node: Int[Array, " batch"],
+    u: Float[Array, " batch"],
+    value: Float[Array, " batch"],
+    trees: Int[Array, " batch"] | None = None,
+) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
+    """From `node` of `level` (of value `value`) and the prefix `u` inside it, down to the
+    leaf holding it, and its value (in tree `trees[i]` of a `SumTrees`)."""
+    k = tree.fanout
+    sizes, offsets = _layout(tree.capacity, tree.fanout, tree.top)
+    nodes, count = tree._flat()
+    barrier = jax.lax.optimization_barrier if level > 1 else lambda x: x
+    node, u = barrier((node, u))
+    for below in reversed(range(level)):
+        level_nodes = _levels(nodes, below, sizes, offsets, count)
+        children = barrier(_rows(level_nodes, _plus(node * k, trees, sizes[below]), k))
+        child, before, value = _descend(children, u)
+        node, u = barrier((node * k + child, u - before))
+    return jnp.minimum(node, tree.capacity - 1), value
+
+
+def _block_runs(tree: "SumTree | SumTrees", blocks: int) -> tuple[int, Array, Array]:
+    """The lowest level whose nodes each lie in one of `blocks` equal blocks of leaves, the
+    run of its nodes in each block (`(blocks, width)`, `(trees, blocks, width)` for a
+    `SumTrees`), and their running sums along each run (made non-decreasing)."""
+    where = f"{type(tree).__name__}.search_blocks()"
+    blocks = check_positive_int(where, "blocks", blocks)
+    if tree.capacity % blocks:
+        raise ValueError(
+            f"{where}: {blocks} blocks do not divide the capacity {tree.capacity} evenly."
+        )
+    sizes, offsets = _layout(tree.capacity, tree.fanout, tree.top)
+    leaves, level = tree.capacity // blocks, 0
+    while level < len(sizes) - 2 and leaves % tree.fanout == 0:
+        leaves, level = leaves // tree.fanout, level + 1
+    grid = tree._grid()
+    runs = grid[..., offsets[level] : offsets[level] + blocks * leaves]
+    runs = runs.reshape(*grid.shape[:-1], blocks, leaves)
+    axis = runs.ndim - 1
+    running = jax.lax.cummax(jax.lax.associative_scan(jnp.add, runs, axis=axis), axis=axis)
+    return level, runs, running
+
+
+def _enter_runs(
+    runs: Float[Array, "rows width"], running: Float[Array, "rows width"], u: Float[Array, "rows b"]
+) -> tuple[Int[Array, "rows b"], Float[Array, "rows b"], Float[Array, "rows b"]]:
+    """For prefixes `u[r]` inside the run of nodes `runs[r]` (of running sums `running[r]`):
+    the node of the run each enters, the running sum before it and its value. The node is
+    the first whose running sum passes `u`, moved on to the first positive node at or after
+    it (or back to the run's last positive node): a zero node is never entered, whatever
+    order the running sums were added in."""
+    width = runs.shape[1]
+    count = jax.vmap(lambda r, q: jnp.searchsorted(r, q, side="right"))(running, u)
+    index = jnp.arange(width, dtype=jnp.int32)
+    positive = runs > 0
+    upcoming = jax.lax.cummin(jnp.where(positive, index, width), axis=1, reverse=True)
+    last = jnp.max(jnp.where(positive, index, 0), axis=1, keepdims=True)
+    start = jnp.minimum(count, width - 1).astype(jnp.int32)
+    child = jnp.take_along_axis(upcoming, start, axis=1)
+    child = jnp.where(child < width, child, last)
+    before = jnp.take_along_axis(running, jnp.maximum(child - 1, 0), axis=1)
+    before = jnp.where(child > 0, before, 0.0)
+    value = jnp.take_along_axis(runs, child, axis=1)
+    return child, before, value
 
 
 def _last_of_each(

@@ -13,7 +13,7 @@ import pytest
 import equibuffer as eb
 
 from .helpers import copies
-from .mesh_kinds import add, batch, kinds, prioritised_kinds
+from .mesh_kinds import add, batch, cluster_of, EXAMPLE, kinds, prioritised_kinds
 
 
 BATCH = 16
@@ -142,3 +142,21 @@ def test_an_add_of_a_block_updates_in_place(kind):
     sizes = copies(lambda b, new: add(b, new), buffer, batch(0, ROWS))
     big = [n for n in sizes if n >= LENGTH]
     assert not big, f"the add copies arrays of {big} elements (the buffer's are >= {LENGTH})"
+
+
+@pytest.mark.parametrize("clusters", [1, 2, 3])
+def test_clustered_trees_update_in_place(clusters):
+    """A clustered buffer's trees are one flat array (`SumTrees`): the step with an add
+    writes it in place with one cluster (`SumTree`'s program) and with several (its dense
+    levels and roots are scatters to flat indices: as `dynamic_update_slice`s of a
+    `(clusters, nodes)` view, XLA copied the array)."""
+    buffer = eb.PrioritisedClusteredBuffer(
+        EXAMPLE,
+        add_batch_size=ROWS,
+        num_clusters=clusters,
+        cluster_capacity=LENGTH,
+        cluster_fn=lambda item: cluster_of(item) % clusters,
+    )
+    _, sample = jax.eval_shape(lambda b: _draw(b, jax.random.key(0), 1), buffer)
+    state = TrainState(jnp.zeros(jax.eval_shape(_features, sample).shape[1]), buffer)
+    _assert_in_place(_train_step("weights", adds=True), state)

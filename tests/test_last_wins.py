@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import equibuffer as eb
+from equibuffer._sumtree import SumTrees
 
 from .mesh_kinds import add, batch, prioritised_kinds
 
@@ -79,20 +80,34 @@ def test_repeated_windows_in_one_update_the_last_priority_wins(kind):
     assert not np.array_equal(_trees(got)[0], _trees(buffer)[0])
 
 
+def _written(buffer) -> int:
+    """How many tree writes one `set_priorities` makes: one per `SumTree`, one for all the
+    clusters' trees of a clustered buffer (a `SumTrees`)."""
+    if isinstance(buffer, eb.RateLimited):
+        return _written(buffer.buffer)
+    if isinstance(buffer, eb.Mixer):
+        return sum(_written(b) for b in buffer.buffers)
+    return 1
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_set_priorities_writes_through_the_deduplication(kind, monkeypatch):
     """The mechanism: `set_priorities` writes each tree's leaves with `SumTree.write`'s
-    deduplication (never the promise of unique indices the adds make), which
-    tests/test_sumtree.py checks leaves the value scatter no repeated index."""
+    deduplication, or that of `SumTrees.write` (the same code) for a clustered buffer's
+    trees, never the promise of unique indices the adds make; tests/test_sumtree.py checks
+    that it leaves the value scatter no repeated index."""
     buffer = _filled(kind)
     sample = _sample(buffer)
     promised = []
-    write = eb.SumTree.write
 
-    def spy(self, *args, **kwargs):
-        promised.append(kwargs.get("unique_indices", False))
-        return write(self, *args, **kwargs)
+    def spy(write):
+        def spied(self, *args, **kwargs):
+            promised.append(kwargs.get("unique_indices", False))
+            return write(self, *args, **kwargs)
 
-    monkeypatch.setattr(eb.SumTree, "write", spy)
+        return spied
+
+    for cls in (eb.SumTree, SumTrees):
+        monkeypatch.setattr(cls, "write", spy(cls.write))
     jax.make_jaxpr(lambda b, s: b.set_priorities(s, s.weights + 1.0))(buffer, sample)
-    assert promised == [False] * len(_trees(buffer))
+    assert promised == [False] * _written(buffer)

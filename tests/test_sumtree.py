@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 
 from equibuffer import _sumtree
-from equibuffer._sumtree import _last_of_each, SumTree
+from equibuffer._sumtree import _last_of_each, SumTree, SumTrees
 
 from .helpers import budget, chi_square_pvalue, scatters
 
@@ -409,3 +409,157 @@ def test_jit_does_not_retrace_and_vmaps():
     trees = jax.vmap(lambda v: SumTree(6).set(jnp.arange(6), v))(jnp.eye(6))
     draws = jax.vmap(lambda t, k: t.sample(k, 3))(trees, jax.random.split(jax.random.key(0), 6))
     np.testing.assert_array_equal(np.asarray(draws), np.repeat(np.arange(6)[:, None], 3, 1))
+
+
+# ------------------------------------------------------------------------------ SumTrees
+# Several trees of one layout in one array (the clustered buffers' trees): each tree must
+# behave as a `SumTree` of its own, whatever the other trees hold.
+
+
+@st.composite
+def _tree_writes(draw):
+    """A number of trees, their capacity and layout, and batches of masked writes addressed
+    by `(tree, leaf)`, with few distinct pairs (so that most batches repeat some)."""
+    capacity, layout, batches = draw(_masked_writes())
+    count = draw(st.integers(1, 4))
+    trees = [
+        np.array(draw(st.lists(st.integers(0, count - 1), min_size=BATCH, max_size=BATCH)))
+        for _ in batches
+    ]
+    return count, capacity, layout, [(t, *b) for t, b in zip(trees, batches, strict=True)]
+
+
+def _check_trees(trees: SumTrees, ref: np.ndarray) -> None:
+    """Every tree's row against its NumPy leaves (as a `SumTree`), and the batched reads."""
+    for t in range(ref.shape[0]):
+        _check_against(trees.tree(t), ref[t])
+    np.testing.assert_array_equal(np.asarray(trees.values()), ref)
+    roots = [float(trees.tree(t).total()) for t in range(ref.shape[0])]
+    np.testing.assert_array_equal(np.asarray(trees.totals()), roots)
+
+
+_trees_write = eqx.filter_jit(SumTrees.write)
+
+
+@settings(max_examples=budget(25), deadline=None)
+@given(_tree_writes())
+def test_sum_trees_write_matches_numpy(case):
+    """`SumTrees.write`: for every `(tree, leaf)` the last entry not skipped wins, by the
+    pairwise comparison (jitted) and by the marks (eagerly), and every tree's nodes are
+    the sums of their children; no write touches another tree."""
+    count, capacity, layout, batches = case
+    for write, pairwise in ((_trees_write, _sumtree._PAIRWISE), (SumTrees.write, 0)):
+        trees = SumTrees(count, capacity, *layout)
+        ref = np.zeros((count, capacity), np.float32)
+        with unittest.mock.patch.object(_sumtree, "_PAIRWISE", pairwise):
+            for tree, leaf, values, mask in batches:
+                at = (jnp.asarray(tree, jnp.int32), jnp.asarray(leaf))
+                trees = write(trees, at, jnp.asarray(values), mask=jnp.asarray(mask))
+                for t in range(count):
+                    mine = tree == t
+                    _assign(ref[t], leaf[mine], values[mine], mask[mine])
+                _check_trees(trees, ref)
+                trees = write(trees, at, jnp.asarray(values[::-1]))  # no mask
+                for t in range(count):
+                    _assign(ref[t], leaf[tree == t], values[::-1][tree == t])
+                _check_trees(trees, ref)
+
+
+@pytest.mark.parametrize("batch", [3, 30, 100])
+def test_sum_trees_write_deduplicates_before_the_value_scatter(batch):
+    """As `SumTree.write`: the values are written by a scatter declared
+    `unique_indices=True`, after the marks' scatter-min for a large batch; with
+    `unique_indices=True` (the adds) there are no marks. Entries of one leaf in different
+    trees are different entries."""
+    trees = SumTrees(3, 1000)
+    at = (jnp.arange(batch) % 3, jnp.arange(batch) % 2)
+    values = jnp.arange(1.0, batch + 1.0)
+    first = [("scatter-min", False), ("scatter", True)] if batch > 64 else [("scatter", True)]
+    eqns = scatters(jax.make_jaxpr(lambda t, i, v: t.write(i, v))(trees, at, values).jaxpr)
+    names = [(e.primitive.name, e.params["unique_indices"]) for e in eqns]
+    assert names[: len(first)] == first, names
+    promised = jax.make_jaxpr(lambda t, i, v: t.write(i, v, unique_indices=True))
+    names = [e.primitive.name for e in scatters(promised(trees, at, values).jaxpr)]
+    assert "scatter-min" not in names
+    written = trees.write(at, values)
+    for t in range(3):  # the last value of each (tree, leaf)
+        last = {int(leaf): float(v) for tr, leaf, v in zip(*at, values, strict=True) if tr == t}
+        got = np.asarray(written.tree(t).values())
+        assert {i: float(got[i]) for i in last} == last and float(got[2:].sum()) == 0
+
+
+def _filled_trees(count: int, capacity: int, layout, seed: int) -> tuple[SumTrees, np.ndarray]:
+    """`count` trees of random leaves, about half of them 0 (tree 0 all 0)."""
+    rng = np.random.default_rng(seed)
+    ref = (rng.random((count, capacity)) * (rng.random((count, capacity)) < 0.5)).astype(np.float32)
+    ref[0] = 0.0
+    tree, leaf = np.divmod(np.arange(count * capacity), capacity)
+    trees = SumTrees(count, capacity, *layout)
+    at = (jnp.asarray(tree, jnp.int32), jnp.asarray(leaf, jnp.int32))
+    return trees.write(at, jnp.asarray(ref.reshape(-1)), unique_indices=True), ref
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sum_trees_search_each_query_in_its_own_tree(layout):
+    """Each query descends its own tree: the leaf and value that `SumTree.search` of that
+    tree finds, bit for bit, for prefixes inside, at and past the tree's total (a positive
+    leaf of that tree, never one of another tree)."""
+    count, capacity = 4, 300
+    trees, ref = _filled_trees(count, capacity, layout, seed=1)
+    rng = np.random.default_rng(2)
+    tree = rng.integers(1, count, 200).astype(np.int32)  # (tree 0 has nothing to draw)
+    totals = np.asarray(trees.totals())[tree]
+    prefix = (rng.random(200) * totals).astype(np.float32)
+    prefix[:20] = totals[:20]
+    prefix[20:40] = np.nextafter(totals[20:40], np.float32(np.inf))
+    leaves, values = (np.asarray(x) for x in trees.search(jnp.asarray(tree), jnp.asarray(prefix)))
+    for t in range(1, count):
+        mine = tree == t
+        want_leaves, want_values = trees.tree(t).search(jnp.asarray(prefix[mine]))
+        np.testing.assert_array_equal(leaves[mine], np.asarray(want_leaves))
+        np.testing.assert_array_equal(values[mine], np.asarray(want_values))
+        assert (ref[t, leaves[mine]] > 0).all()
+    np.testing.assert_array_equal(values, ref[tree, leaves])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("blocks", [2, 3, 5])
+def test_sum_trees_blocks_match_each_tree(layout, blocks):
+    """`block_totals` and `search_blocks` of every tree as `SumTree`'s of that tree (the same
+    leaves and values, bit for bit, each query inside its block of its own tree)."""
+    count, capacity, per = 3, 120, 16
+    trees, _ = _filled_trees(count, capacity, layout, seed=blocks)
+    trees = trees.write(  # (tree 0 positive too, in every block)
+        (jnp.zeros(blocks, jnp.int32), jnp.arange(blocks, dtype=jnp.int32) * (capacity // blocks)),
+        jnp.ones(blocks),
+    )
+    totals = np.asarray(trees.block_totals(blocks))
+    for t in range(count):
+        np.testing.assert_array_equal(totals[t], np.asarray(trees.tree(t).block_totals(blocks)))
+    rng = np.random.default_rng(blocks)
+    tree = rng.integers(0, count, (blocks, per)).astype(np.int32)
+    limit = np.take_along_axis(totals.T, tree, axis=1)
+    prefix = (rng.random((blocks, per)) * limit).astype(np.float32)
+    prefix[:, 0] = limit[:, 0]  # at the block's total: its last positive leaf
+    leaves, values = (
+        np.asarray(x) for x in trees.search_blocks(jnp.asarray(tree), jnp.asarray(prefix))
+    )
+    for t in range(count):
+        mine = tree == t
+        want_leaves, want_values = trees.tree(t).search_blocks(jnp.asarray(prefix))
+        np.testing.assert_array_equal(leaves[mine], np.asarray(want_leaves)[mine])
+        np.testing.assert_array_equal(values[mine], np.asarray(want_values)[mine])
+    width = capacity // blocks
+    assert ((leaves // width) == np.arange(blocks)[:, None]).all()
+
+
+def test_sum_trees_construction_errors():
+    with pytest.raises(ValueError, match="`trees` must be at least 1"):
+        SumTrees(0, 8)
+    with pytest.raises(ValueError, match="`capacity` must be at least 1"):
+        SumTrees(2, 0)
+    with pytest.raises(ValueError, match="more nodes than int32"):
+        SumTrees(2**12, 2**20)
+    trees = SumTrees(3, 5, 2, 1)
+    assert trees.trees == 3 and trees.nodes.shape == (3 * SumTree(5, 2, 1).nodes.shape[0],)
+    assert trees.tree(2).capacity == 5 and trees.tree(2).fanout == 2

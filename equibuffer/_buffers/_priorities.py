@@ -3,7 +3,8 @@ draw by priority from a `SumTree` (probabilities, importance weights, one folded
 the write of new priorities (stale updates dropped, the largest priority seen kept)."""
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,9 @@ from .._sumtree import read_once, SumTree
 from .._windows import start_steps, window_offsets
 from ._samples import Sample
 from ._window import Drawn
+
+
+_Tree = TypeVar("_Tree")
 
 
 def check_alpha(where: str, alpha: Any) -> float:
@@ -171,17 +175,17 @@ def check_priority_update(
 
 
 def set_by_priority(
-    tree: SumTree,
+    write: Callable[[Float[Array, " batch"], Bool[Array, " batch"]], _Tree],
     max_priority: Float[Array, ""],
     alpha: float,
-    indices: Indices,
     new: Float[Array, " batch"],
     current: Bool[Array, " batch"],
-) -> tuple[SumTree, Float[Array, ""]]:
-    """Write `new ** alpha` at the `current` indices (the others are dropped), and raise the
-    largest priority seen by the largest applied."""
+) -> tuple[_Tree, Float[Array, ""]]:
+    """Write `new ** alpha` at the `current` entries (the others are dropped) with
+    `write(values, mask)` (a `SumTree`'s, or a clustered buffer's `SumTrees`'), and raise
+    the largest priority seen by the largest applied."""
     values = jnp.where(new > 0, new**alpha, 0.0)
-    tree = tree.write(indices, values, mask=current)
+    tree = write(values, current)
     applied = jnp.max(jnp.where(current, new, 0.0))
     return tree, jnp.maximum(max_priority, applied)
 

@@ -206,7 +206,11 @@ class AbstractPrioritisedBuffer(AbstractBuffer, AbstractPrioritisedSource):
         )
         current = self.rule.current(self.storage, self.window, indices, steps)
         tree, max_priority = set_by_priority(
-            self.rule.tree, self.rule.max_priority, self.rule.alpha, indices, new, current
+            lambda values, mask: self.rule.tree.write(indices, values, mask=mask),
+            self.rule.max_priority,
+            self.rule.alpha,
+            new,
+            current,
         )
         rule = self.rule.with_priorities(tree, max_priority)
         return eqx.tree_at(lambda b: b.rule, self, rule)

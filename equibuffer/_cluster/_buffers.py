@@ -29,7 +29,7 @@ from .._checks import check_positive_int, check_row_blocks, refuse_flashbax_only
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar, StepCount, Steps
 from .._errors import error_if, record, recorded
 from .._protocol import AbstractPrioritisedSource, AbstractReplayBuffer
-from .._sumtree import SumTree
+from .._sumtree import SumTree, SumTrees
 from ._rules import AbstractClusterRule, PrioritisedInCluster, UniformInCluster
 from ._samples import ClusteredSample, PrioritisedClusteredSample
 from ._storage import ClusterStorage
@@ -535,10 +535,10 @@ class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSou
     - `can_sample()` depends only on the counters (any add made); `sample` raises when no
         cluster of positive weight holds an item, or when every item of those has priority 0.
 
-    Each cluster has its own [`equibuffer.SumTree`][] (`trees[c]`, leaf = slot): a draw
-    searches every cluster's tree for every element (`O(K * B * log(cluster_capacity))` for
-    `K` clusters and `B` elements) and keeps the one of its cluster, so a draw never leaves
-    its cluster, whatever the float rounding.
+    Each cluster has its own sum tree (`trees[c]`, leaf = slot), all of them in one array
+    end to end: an add or a `set_priorities` writes them all at once, and a draw descends only
+    its drawn cluster's tree (`O(B * log(cluster_capacity))` for `B` elements, whatever the
+    number of clusters), so it never leaves its cluster, whatever the float rounding.
 
     !!! example
 
@@ -588,7 +588,7 @@ class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSou
         )
         self.cluster_fn = cluster_fn
         self.rule = PrioritisedInCluster(  # pyright: ignore[reportIncompatibleVariableOverride]
-            trees=tuple(SumTree(self.storage.cluster_capacity) for _ in range(num_clusters)),
+            trees=SumTrees(num_clusters, self.storage.cluster_capacity),
             max_priority=jnp.array(1.0, jnp.float32),
             alpha=check_alpha(where, alpha),
         )
@@ -596,8 +596,9 @@ class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSou
     @property
     def trees(self) -> tuple[SumTree, ...]:
         """One [`equibuffer.SumTree`][] per cluster, leaf `slot` holding `priority ** alpha`
-        of the item in that slot (0 for an empty slot)."""
-        return self.rule.trees
+        of the item in that slot (0 for an empty slot): a copy of the cluster's tree from
+        the buffer's batched trees (`rule.trees`, every cluster's tree in one array)."""
+        return tuple(self.rule.trees.tree(c) for c in range(self.num_clusters))
 
     @property
     def max_priority(self) -> Float[Array, ""]:

@@ -12,7 +12,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .._buffers._priorities import set_by_priority
 from .._custom_types import Steps
 from .._errors import branched_error_if, error_if
-from .._sumtree import read_once, SumTree
+from .._sumtree import read_once, SumTrees
 from ._storage import ClusterStorage, Routed
 
 
@@ -130,27 +130,24 @@ class ClusterDrawn(NamedTuple):
 
 
 class PrioritisedInCluster(AbstractClusterRule):
-    """In proportion to `priority ** alpha` inside the drawn cluster: one `SumTree` per
-    cluster (leaf = slot) holding `p ** alpha` for every item held, and the largest priority
-    set so far, at which new items enter."""
+    """In proportion to `priority ** alpha` inside the drawn cluster: a `SumTrees` of one
+    tree per cluster (leaf = slot) holding `p ** alpha` for every item held, and the largest
+    priority set so far, at which new items enter."""
 
-    trees: tuple[SumTree, ...]
+    trees: SumTrees
     max_priority: Float[Array, ""]
     alpha: float = eqx.field(static=True)
 
     def added(self, storage: ClusterStorage, routed: Routed) -> "PrioritisedInCluster":
         fresh = jnp.broadcast_to(self.max_priority**self.alpha, routed.slot.shape)
-        # (the items kept in one cluster have distinct slots)
-        trees = tuple(
-            tree.write(
-                routed.slot, fresh, mask=routed.kept & (routed.cluster == c), unique_indices=True
-            )
-            for c, tree in enumerate(self.trees)
+        # (the items kept have distinct (cluster, slot) pairs)
+        trees = self.trees.write(
+            (routed.cluster, routed.slot), fresh, mask=routed.kept, unique_indices=True
         )
         return eqx.tree_at(lambda r: r.trees, self, trees)
 
     def totals(self) -> Float[Array, " clusters"]:
-        return jnp.stack([tree.total() for tree in self.trees])
+        return self.trees.totals()
 
     def draw(
         self,
@@ -174,14 +171,8 @@ class PrioritisedInCluster(AbstractClusterRule):
         key_c, key_i = jax.random.split(key)
         cluster = cluster_draw(key_c, w, batch_size)
         u = jax.random.uniform(key_i, (batch_size,), jnp.float32)
-        # Every tree searched for every draw (K * batch_size searches), the one of the drawn
-        # cluster kept: each search stays inside its own cluster's leaves.
-        found = [tree.search(u * total) for tree, total in zip(self.trees, totals, strict=True)]
-        slots = jnp.stack([slot for slot, _ in found])
-        leaves = jnp.stack([leaf for _, leaf in found])
-        pick = cluster[None, :]
-        slot = jnp.take_along_axis(slots, pick, axis=0)[0]
-        leaf = jnp.take_along_axis(leaves, pick, axis=0)[0]
+        # One search per draw, inside the drawn cluster's tree only: it never leaves it.
+        slot, leaf = self.trees.search(cluster, u * totals[cluster])
         slot, leaf, totals, w = read_once(slot, leaf, totals, w)
         failure = jnp.where(jnp.sum(held) > 0, jnp.where(jnp.sum(w) > 0, 2, 1), 0)
         cluster = branched_error_if(
@@ -217,19 +208,16 @@ class PrioritisedInCluster(AbstractClusterRule):
     ) -> ClusterDrawn:
         # (blocks, clusters): each cluster's items and total `p ** alpha` in each block.
         items = storage.held_in_blocks(blocks)
-        totals = jnp.stack([tree.block_totals(blocks) for tree in self.trees], axis=1)
+        totals = self.trees.block_totals(blocks).T
         held = jnp.where(items > 0, shares[None, :], 0.0)
         w = jnp.where(totals > 0, held, 0.0)
         key_c, key_i = jax.random.split(key)
         per = batch_size // blocks
         cluster = cluster_draw_blocks(key_c, w, per)
         u = jax.random.uniform(key_i, (blocks, per), jnp.float32)
-        # As for one block: every tree searched (inside each block) for every draw, the one
-        # of the drawn cluster kept.
-        found = [tree.search_blocks(u * totals[:, c, None]) for c, tree in enumerate(self.trees)]
-        pick = cluster[None]
-        slot = jnp.take_along_axis(jnp.stack([f for f, _ in found]), pick, axis=0)[0]
-        leaf = jnp.take_along_axis(jnp.stack([v for _, v in found]), pick, axis=0)[0]
+        # As for one block: one search per draw, in the drawn cluster's tree (inside the
+        # block).
+        slot, leaf = self.trees.search_blocks(cluster, u * _in_block(totals, cluster))
         slot, leaf, totals, w = read_once(slot, leaf, totals, w, blocks=blocks)
         every_held = jnp.all(jnp.sum(held, axis=1) > 0)
         failure = jnp.where(every_held, jnp.where(jnp.all(jnp.sum(w, axis=1) > 0), 2, 1), 0)
@@ -264,11 +252,11 @@ class PrioritisedInCluster(AbstractClusterRule):
         new: Float[Array, " batch"],
         current: Bool[Array, " batch"],
     ) -> "PrioritisedInCluster":
-        trees, largest = [], self.max_priority
-        for c, tree in enumerate(self.trees):
-            tree, top = set_by_priority(
-                tree, self.max_priority, self.alpha, slot, new, current & (cluster == c)
-            )
-            trees.append(tree)
-            largest = jnp.maximum(largest, top)
-        return PrioritisedInCluster(trees=tuple(trees), max_priority=largest, alpha=self.alpha)
+        trees, largest = set_by_priority(
+            lambda values, mask: self.trees.write((cluster, slot), values, mask=mask),
+            self.max_priority,
+            self.alpha,
+            new,
+            current,
+        )
+        return PrioritisedInCluster(trees=trees, max_priority=largest, alpha=self.alpha)

@@ -510,14 +510,8 @@ class Prioritised(_ByTheCounters, AbstractPrioritisedRule):
         valid = windows_held(storage, offsets, window.length, window.period)
         fresh = self.max_priority**self.alpha
         values = jnp.broadcast_to(jnp.where(valid, fresh, 0.0), (rows, m)).reshape(-1)
-        if rows == 1:
-            # One row: the leaves are one block of slots, wrapping the ring's end as the tree's
-            # (a block write is contiguous slices only: no per-level scatter and gather).
-            start = jax.lax.rem(storage.head - m + length, jnp.int32(length))  # (non-negative)
-            tree = self.tree.write_block(start, values)
-        else:
-            slots = (storage.head - m + jnp.arange(m, dtype=jnp.int32)) % length  # (m <= length)
-            tree = self.tree.write(flat_indices(rows, length, slots), values, unique_indices=True)
+        slots = (storage.head - m + jnp.arange(m, dtype=jnp.int32)) % length  # (m <= length)
+        tree = self.tree.write(flat_indices(rows, length, slots), values, unique_indices=True)
         return eqx.tree_at(lambda r: r.tree, self, tree)
 
     def updated(

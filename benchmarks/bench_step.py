@@ -10,7 +10,8 @@ Flashbax's: `make_prioritised_flat_buffer` (weights computed from `sample.probab
 its users do), both with add batch 1, `alpha = 0.6`, `beta = 0.4`, items of 4 float32, an
 int32 action and a float32 reward, filled to capacity before timing.
 
-Each step is timed weighted and unweighted (the same loss without the weights): under
+Each step is timed weighted, unweighted (the same loss without the weights), and weighted
+after an add of one transition (one environment's step: the whole DQN step): under
 donation the two must cost the same (a read of the tree that only the weights use once
 made XLA copy the whole tree at every step), and the cost must not grow with the capacity
 beyond the tree's depth. Ours and Flashbax's are timed in alternation, both buffers filled
@@ -38,6 +39,13 @@ EXAMPLE = {"obs": jnp.zeros(4), "action": jnp.int32(0), "reward": jnp.float32(0)
 ACTIONS, HIDDEN = 2, 32
 ALPHA, BETA, LR, GAMMA = 0.6, 0.4, 1e-3, 0.99
 FILL_CHUNK = 10**6
+# Each step: (weighted loss, an add of one transition first, a training step at all).
+VARIANTS = {
+    "weighted": (True, False, True),
+    "unweighted": (False, False, True),
+    "add+weighted": (True, True, True),
+    "add": (False, True, False),
+}
 
 
 def _mlp(key: jax.Array) -> dict[str, jax.Array]:
@@ -120,13 +128,23 @@ def _filled(lib: dict[str, Any], capacity: int) -> Held:
     return held
 
 
-def _training(lib: dict[str, Any], steps: int, weighted: bool) -> Any:
+def _training(
+    lib: dict[str, Any], steps: int, weighted: bool, adds: bool = False, trains: bool = True
+) -> Any:
     """`state -> state` after `steps` training steps (state: the MLP's parameters, its
-    target network's and the buffer), each with its own key."""
+    target network's and the buffer), each with its own key; with `adds`, each step first
+    adds one transition (one environment's step, as a DQN's loop does); without `trains`,
+    only that add (the environment steps between two training steps)."""
 
     def train(state: tuple, key: jax.Array) -> tuple:
         def step(i: jax.Array, state: tuple) -> tuple:
             params, target, buffer = state
+            if adds:
+                obs = jnp.full((1, 1, 4), i, jnp.float32)
+                one = {"obs": obs, "action": jnp.zeros((1, 1), jnp.int32), "reward": obs[..., 0]}
+                buffer = lib["fill"](buffer, one)
+            if not trains:
+                return params, target, buffer
             first, second, weights, sample = lib["sample"](buffer, jax.random.fold_in(key, i))
             weights = weights if weighted else jnp.ones_like(weights)
 
@@ -149,9 +167,10 @@ def bench(capacity: int, batch: int, steps: int, repeat: int) -> dict[str, Any]:
     held = {name: _filled(lib, capacity) for name, lib in libs.items()}
     key = jax.random.key(1)
     out: dict[str, Any] = {}
-    for weighted in (True, False):
-        ours, fbx = (held[n].update(_training(libs[n], steps, weighted)) for n in libs)
-        out["weighted" if weighted else "unweighted"] = paired_times(
+    for variant, (weighted, adds, trains) in VARIANTS.items():
+        train = {n: _training(libs[n], steps, weighted, adds, trains) for n in libs}
+        ours, fbx = (held[n].update(train[n]) for n in libs)
+        out[variant] = paired_times(
             lambda: ours(key),  # noqa: B023
             lambda: fbx(key),  # noqa: B023
             repeat=repeat,
@@ -185,14 +204,13 @@ def main() -> None:
         row: dict[str, Any] = {"slots": f"10^{p}"}
         best = {
             (w, side): min(r[w][side] for r in runs) / steps
-            for w in ("weighted", "unweighted")
+            for w in VARIANTS
             for side in ("a", "b")
         }
-        row["ours weighted"] = fmt_time(best["weighted", "a"])
-        row["ours unweighted"] = fmt_time(best["unweighted", "a"])
-        row["fbx weighted"] = fmt_time(best["weighted", "b"])
-        row["fbx unweighted"] = fmt_time(best["unweighted", "b"])
-        for w in ("weighted", "unweighted"):
+        for w in VARIANTS:
+            row[f"ours {w}"] = fmt_time(best[w, "a"])
+            row[f"fbx {w}"] = fmt_time(best[w, "b"])
+        for w in VARIANTS:
             medians = " ".join(f"{r[w]['ratio']:.2f}x" for r in runs)
             row[f"fbx/ours {w} (median; best)"] = f"{medians}; {best[w, 'b'] / best[w, 'a']:.2f}x"
         row["ours w/u"] = f"{best['weighted', 'a'] / best['unweighted', 'a']:.2f}x"

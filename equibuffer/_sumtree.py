@@ -2,7 +2,7 @@
 
 import functools
 import math
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import equinox as eqx
 import jax
@@ -12,6 +12,10 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from ._checks import BARRIER_EXPANDED, check_positive_int
 from ._errors import branched_error_if, error_if
+
+
+if TYPE_CHECKING:
+    from ._sumtrees import SumTrees
 
 
 # Picked by measurement (`python -m benchmarks.bench_prioritised`, CPU, batch 256, one jitted
@@ -493,132 +497,6 @@ class SumTree(eqx.Module):
     def _grid(self) -> Float[Array, " nodes"]:
         """The nodes, one row per tree (here a single row, without its axis)."""
         return self.nodes
-
-
-class SumTrees(eqx.Module):
-    """`trees` sum trees of one capacity and layout (those of [`equibuffer.SumTree`][]) in
-    one flat array, the node arrays of the trees end to end (tree `t`'s node `i` at `t *
-    nodes + i`, `nodes` the size of one tree's), for the clustered buffers (one tree per
-    cluster, leaf = slot): a batch of writes addressed by `(tree, leaf)` is one scatter, and
-    each draw descends its own tree only, whatever the number of trees. (Flat rather than
-    `(trees, nodes)`: XLA copied a donated 2-d array on a write through its flat view.)
-
-    The operations are `SumTree`'s, run on the trees laid end to end: a write recomputes
-    the touched nodes of every tree level by level with one gather and one scatter per level
-    (the batch's trees mixed), the levels a batch touches about everywhere (over all the
-    trees) densely; a search gathers each query's children from its own tree, one level per
-    step, so each query costs what it costs in a `SumTree` and never leaves its tree,
-    whatever the float rounding.
-
-    **Arguments:**
-
-    - `trees`: the number of trees, any positive int.
-    - `capacity`, `fanout`, `top`: as for `SumTree`, the same for every tree.
-    """
-
-    nodes: Float[Array, " trees_times_nodes"]
-    capacity: int = eqx.field(static=True)
-    fanout: int = eqx.field(static=True)
-    top: int = eqx.field(static=True)
-
-    def __init__(
-        self, trees: int, capacity: int, fanout: int = _DEFAULT_FANOUT, top: int = _DEFAULT_TOP
-    ):
-        one = SumTree(capacity, fanout, top)  # (its arguments checked)
-        trees = check_positive_int("SumTrees()", "trees", trees)
-        self.capacity, self.fanout, self.top = one.capacity, one.fanout, one.top
-        if trees * one.nodes.shape[0] >= 2**31:
-            raise ValueError(
-                f"SumTrees(): {trees} trees of capacity {capacity} have more nodes than int32 "
-                "indexes (about 2**31); use fewer or smaller trees."
-            )
-        self.nodes = jnp.zeros(trees * one.nodes.shape[0], jnp.float32)
-
-    @property
-    def trees(self) -> int:
-        """The number of trees."""
-        return self.nodes.shape[0] // _layout(self.capacity, self.fanout, self.top)[1][-1]
-
-    def tree(self, t: int) -> SumTree:
-        """Tree `t` as a `SumTree` (a copy of its nodes)."""
-        one = SumTree(self.capacity, self.fanout, self.top)
-        return eqx.tree_at(lambda tree: tree.nodes, one, self._grid()[t])
-
-    def totals(self) -> Float[Array, " trees"]:
-        """The total of each tree (its root)."""
-        return self._grid()[:, -1]
-
-    def values(self) -> Float[Array, "trees capacity"]:
-        """The leaves of every tree."""
-        return self._grid()[:, : self.capacity]
-
-    def write(
-        self,
-        indices: tuple[Int[Array, " batch"], Int[Array, " batch"]],
-        values: Float[Array, " batch"],
-        *,
-        mask: Bool[Array, " batch"] | None = None,
-        unique_indices: bool = False,
-    ) -> "SumTrees":
-        """`SumTree.write` of leaf `leaf[i]` of tree `tree[i]`, for `indices = (tree, leaf)`
-        (unchecked: trees in `[0, trees)`, leaves in `[0, capacity)`, values non-negative and
-        finite): one batch for all the trees, the same rules (the last entry not skipped wins
-        for a repeated `(tree, leaf)`, on every platform, unless `unique_indices` promises
-        there is none)."""
-        tree, leaf = indices
-        nodes, trees = self._flat()
-        layout = _layout(self.capacity, self.fanout, self.top)
-        tree = tree.astype(jnp.int32)
-        nodes = _write(nodes, layout, self.fanout, leaf, values, mask, unique_indices, tree, trees)
-        return eqx.tree_at(lambda t: t.nodes, self, _with_roots(nodes, layout[1], trees))
-
-    def search(
-        self, tree: Int[Array, " batch"], prefix: Float[Array, " batch"]
-    ) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
-        """`SumTree.search` of each `prefix[i]` in tree `tree[i]` (in `[0, totals()[tree[i]])`):
-        the leaf of that tree found, and its value."""
-        sizes, offsets = _layout(self.capacity, self.fanout, self.top)
-        nodes, trees = self._flat()
-        # (the trees through a barrier: XLA computes them once, not in each gather's indices)
-        tree, u = jax.lax.optimization_barrier((tree.astype(jnp.int32), prefix.astype(jnp.float32)))
-        top = len(sizes) - 2
-        children = _rows(_levels(nodes, top, sizes, offsets, trees), tree * sizes[top], sizes[top])
-        node, before, value = _descend(children, u)
-        return _descend_from(self, top, node, u - before, value, tree)
-
-    def block_totals(self, blocks: int) -> Float[Array, "trees blocks"]:
-        """`SumTree.block_totals` of every tree."""
-        return _block_runs(self, blocks)[2][..., -1]
-
-    def search_blocks(
-        self, tree: Int[Array, "blocks per_block"], prefix: Float[Array, "blocks per_block"]
-    ) -> tuple[Int[Array, "blocks per_block"], Float[Array, "blocks per_block"]]:
-        """`SumTree.search_blocks` of each `prefix[b, i]` in block `b` of tree `tree[b, i]`
-        (in `[0, block_totals(blocks)[tree[b, i], b])`): the leaf found, and its value. Each
-        query reads the run of nodes of its own tree's block (`SumTree.search_blocks`' first
-        level), then descends that tree."""
-        blocks, per = prefix.shape
-        level, runs, running = _block_runs(self, blocks)
-        width = runs.shape[-1]
-        tree, u = jax.lax.optimization_barrier((tree.astype(jnp.int32), prefix.astype(jnp.float32)))
-        block = jnp.arange(blocks, dtype=jnp.int32)[:, None]
-        row = (tree * blocks + block).reshape(-1)  # (the tree's run of block b)
-        runs, running = (x.reshape(-1, width)[row] for x in (runs, running))
-        child, before, value = _enter_runs(runs, running, u.reshape(-1, 1))
-        node = child.reshape(blocks, per) + block * width
-        remainder = jnp.maximum(u.reshape(-1) - before.reshape(-1), 0.0)
-        leaves, values = _descend_from(
-            self, level, node.reshape(-1), remainder, value.reshape(-1), tree.reshape(-1)
-        )
-        return leaves.reshape(blocks, per), values.reshape(blocks, per)
-
-    def _flat(self) -> tuple[Float[Array, " nodes"], int]:
-        """The node arrays of every tree, end to end, and their number."""
-        return self.nodes, self.trees
-
-    def _grid(self) -> Float[Array, "trees nodes"]:
-        """The nodes, one row per tree."""
-        return self.nodes.reshape(self.trees, -1)
 
 
 def read_once(*arrays: Any, blocks: int = 1) -> Any:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import equibuffer as eb
-from equibuffer._sumtree import SumTrees
+from equibuffer._sumtrees import SumTrees
 
 from .helpers import copies
 from .mesh_kinds import add, batch, cluster_of, EXAMPLE, kinds, prioritised_kinds

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 
 from equibuffer import _sumtree
-from equibuffer._sumtree import _last_of_each, SumTree, SumTrees
+from equibuffer._sumtree import _last_of_each, SumTree
+from equibuffer._sumtrees import SumTrees
 
 from .helpers import budget, chi_square_pvalue, scatters
 

@@ -29,7 +29,8 @@ from .._checks import check_positive_int, check_row_blocks, refuse_flashbax_only
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar, StepCount, Steps
 from .._errors import error_if, record, recorded
 from .._protocol import AbstractPrioritisedSource, AbstractReplayBuffer
-from .._sumtree import SumTree, SumTrees
+from .._sumtree import SumTree
+from .._sumtrees import SumTrees
 from ._rules import AbstractClusterRule, PrioritisedInCluster, UniformInCluster
 from ._samples import ClusteredSample, PrioritisedClusteredSample
 from ._storage import ClusterStorage

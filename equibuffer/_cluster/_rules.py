@@ -12,7 +12,8 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .._buffers._priorities import set_by_priority
 from .._custom_types import Steps
 from .._errors import branched_error_if, error_if
-from .._sumtree import read_once, SumTrees
+from .._sumtree import read_once
+from .._sumtrees import SumTrees
 from ._storage import ClusterStorage, Routed
 
 

@@ -17,7 +17,6 @@ from ._sumtree import (
     _layout,
     _levels,
     _rows,
-    _with_roots,
     _write,
     SumTree,
 )
@@ -98,7 +97,7 @@ class SumTrees(eqx.Module):
         layout = _layout(self.capacity, self.fanout, self.top)
         tree = tree.astype(jnp.int32)
         nodes = _write(nodes, layout, self.fanout, leaf, values, mask, unique_indices, tree, trees)
-        return eqx.tree_at(lambda t: t.nodes, self, _with_roots(nodes, layout[1], trees))
+        return eqx.tree_at(lambda t: t.nodes, self, nodes)
 
     def search(
         self, tree: Int[Array, " batch"], prefix: Float[Array, " batch"]

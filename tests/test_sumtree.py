@@ -1,3 +1,4 @@
+import contextlib
 import unittest.mock
 
 import equinox as eqx
@@ -212,17 +213,32 @@ def _masked_writes(draw):
 _write = eqx.filter_jit(SumTree.write)
 
 
+def _ways(jitted, eager) -> list:
+    """`(write, _IN_TURN, _PAIRWISE)`: the three ways a write of a small batch can go on the
+    CPU: one entry after the other (the default there, jitted), and by one scatter per level
+    (elsewhere's way) after the pairwise comparison or after the marks (both eagerly)."""
+    return [(jitted, _sumtree._IN_TURN, _sumtree._PAIRWISE), (eager, 0, 64), (eager, 0, 0)]
+
+
+def _patched(in_turn: int, pairwise: int) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    stack.enter_context(unittest.mock.patch.object(_sumtree, "_IN_TURN", in_turn))
+    stack.enter_context(unittest.mock.patch.object(_sumtree, "_PAIRWISE", pairwise))
+    return stack
+
+
 @settings(max_examples=budget(25), deadline=None)
 @given(_masked_writes())
 def test_write_with_repeated_indices_matches_numpy(case):
-    """`write` with and without a mask: the last entry not skipped wins for every leaf, with
-    the pairwise comparison of a small batch (jitted) and with the marks (eagerly, so that
-    no compiled program of the other way is reused)."""
+    """`write` with and without a mask: the last entry not skipped wins for every leaf, one
+    entry after the other (a small batch on the CPU, jitted), and by scatters after the
+    pairwise comparison or the marks (eagerly, so that no compiled program of another way
+    is reused)."""
     capacity, layout, batches = case
-    for write, pairwise in ((_write, _sumtree._PAIRWISE), (SumTree.write, 0)):
+    for write, in_turn, pairwise in _ways(_write, SumTree.write):
         tree = SumTree(capacity, *layout)
         ref = np.zeros(capacity, np.float32)
-        with unittest.mock.patch.object(_sumtree, "_PAIRWISE", pairwise):
+        with _patched(in_turn, pairwise):
             for indices, values, mask in batches:
                 tree = write(
                     tree, jnp.asarray(indices), jnp.asarray(values), mask=jnp.asarray(mask)
@@ -445,14 +461,15 @@ _trees_write = eqx.filter_jit(SumTrees.write)
 @settings(max_examples=budget(25), deadline=None)
 @given(_tree_writes())
 def test_sum_trees_write_matches_numpy(case):
-    """`SumTrees.write`: for every `(tree, leaf)` the last entry not skipped wins, by the
-    pairwise comparison (jitted) and by the marks (eagerly), and every tree's nodes are
-    the sums of their children; no write touches another tree."""
+    """`SumTrees.write`: for every `(tree, leaf)` the last entry not skipped wins, one entry
+    after the other (jitted), by scatters after the pairwise comparison and after the marks
+    (eagerly), and every tree's nodes are the sums of their children; no write touches
+    another tree."""
     count, capacity, layout, batches = case
-    for write, pairwise in ((_trees_write, _sumtree._PAIRWISE), (SumTrees.write, 0)):
+    for write, in_turn, pairwise in _ways(_trees_write, SumTrees.write):
         trees = SumTrees(count, capacity, *layout)
         ref = np.zeros((count, capacity), np.float32)
-        with unittest.mock.patch.object(_sumtree, "_PAIRWISE", pairwise):
+        with _patched(in_turn, pairwise):
             for tree, leaf, values, mask in batches:
                 at = (jnp.asarray(tree, jnp.int32), jnp.asarray(leaf))
                 trees = write(trees, at, jnp.asarray(values), mask=jnp.asarray(mask))

@@ -517,7 +517,10 @@ def _filled_trees(count: int, capacity: int, layout, seed: int) -> tuple[SumTree
     return trees.write(at, jnp.asarray(ref.reshape(-1)), unique_indices=True), ref
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+# The quick session: the default layout; every layout in `tests-all` (each 3 to 8 s here).
+@pytest.mark.parametrize(
+    "layout", [LAYOUTS[0], *(pytest.param(x, marks=pytest.mark.thorough) for x in LAYOUTS[1:])]
+)
 def test_sum_trees_search_each_query_in_its_own_tree(layout):
     """Each query descends its own tree: the leaf and value that `SumTree.search` of that
     tree finds, bit for bit, for prefixes inside, at and past the tree's total (a positive
@@ -540,8 +543,17 @@ def test_sum_trees_search_each_query_in_its_own_tree(layout):
     np.testing.assert_array_equal(values, ref[tree, leaves])
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("blocks", [2, 3, 5])
+# The quick session: 2 blocks of the default layout and of a deep binary tree; the other
+# blocks and layouts in `tests-all` (each 2 to 7 s here).
+@pytest.mark.parametrize(
+    "blocks,layout",
+    [
+        (blocks, layout) if blocks == 2 and layout in LAYOUTS[:2] else
+        pytest.param(blocks, layout, marks=pytest.mark.thorough)
+        for layout in LAYOUTS
+        for blocks in (2, 3, 5)
+    ],
+)  # fmt: skip
 def test_sum_trees_blocks_match_each_tree(layout, blocks):
     """`block_totals` and `search_blocks` of every tree as `SumTree`'s of that tree (the same
     leaves and values, bit for bit, each query inside its block of its own tree)."""

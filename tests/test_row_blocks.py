@@ -123,7 +123,10 @@ def test_a_block_with_nothing_to_draw_raises():
         eb.filter_jit(lambda b: b.sample(jax.random.key(0), 8, row_blocks=BLOCKS))(buffer)
 
 
-@pytest.mark.parametrize(("capacity", "blocks"), [(12, 3), (2 * 512, 2), (4 * 40, 4)])
+@pytest.mark.parametrize(
+    ("capacity", "blocks"),
+    [(12, 3), (2 * 512, 2), pytest.param(4 * 40, 4, marks=pytest.mark.thorough)],
+)
 def test_sum_tree_block_search_matches_numpy(capacity, blocks):
     rng = np.random.default_rng(capacity)
     values = rng.uniform(0.0, 2.0, capacity).astype(np.float32)

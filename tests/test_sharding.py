@@ -88,6 +88,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # (it starts a process with two host devices)
 def test_sharded_buffers_match_one_device():
     env = {
         **os.environ,

@@ -606,7 +606,6 @@ def _write(
     """`SumTree.write` on the flat `nodes` of `trees` trees of one layout laid end to end
     (each entry in its tree `tree`; None: a single tree), with every node above recomputed
     (the roots included)."""
-    per = layout[1][-1]
     indices = indices.astype(jnp.int32)
     values = _flush_subnormal(values)
     if indices.shape[0] <= _IN_TURN and not BARRIER_EXPANDED:
@@ -614,7 +613,7 @@ def _write(
         # the entries there would run each level's few flops as a kernel of its own). Before
         # jax 0.11, by scatters everywhere (see `_write_in_turn`; XLA then also copied a
         # donated array around a `cond` whose branches update it).
-        in_turn = functools.partial(_write_in_turn, layout=layout, k=k, per=per)
+        in_turn = functools.partial(_write_in_turn, layout=layout, k=k)
         by_level = functools.partial(
             _write_by_level, layout=layout, k=k, unique_indices=unique_indices, trees=trees
         )
@@ -668,7 +667,8 @@ def _write_by_level(
     if batch <= _SMALL_WRITE:
         # A `fori_loop` over the levels keeps a small write (the few leaves of a one-step
         # `add`) under XLA:CPU's estimate for running a program in the calling thread,
-        # which counts a loop's body once.
+        # which counts a loop's body once. (On the CPU this way is taken by such writes only
+        # before jax 0.11: see `_write_in_turn`.)
         nodes, _ = jax.lax.fori_loop(1, sparse + 1, level_up, (nodes, indices))
     else:
         carry = (nodes, indices)
@@ -697,16 +697,16 @@ def _write_in_turn(
     tree: Int[Array, " batch"] | None,
     layout: tuple[tuple[int, ...], tuple[int, ...]],
     k: int,
-    per: int,
 ) -> Float[Array, " nodes"]:
     """`_write` of a few entries, one after the other: each writes its leaf (a skipped one
-    writes the leaf's own value back) and recomputes its path, so the last entry of a leaf
-    wins by order. Every write is of one
-    element at a computed place, which XLA makes a dynamic-update-slice in place. (A scatter
-    of 2 entries into a tree of 10**6 leaves, as a one-step `add` makes, was split by
-    XLA:CPU across two threads by the size of the array it updates: 6.3 us per add, against
-    0.3 us for Flashbax's one-element updates.)"""
+    writes the leaf's own value back) and recomputes its path up to its tree's root, so the
+    last entry of a leaf wins by order. Every write is of one element at a computed place,
+    which XLA makes a dynamic-update-slice in place. (A scatter of 2 entries into a tree of
+    10**6 leaves, as a one-step `add` makes, was split by XLA:CPU across two threads by the
+    size of the array it updates: 6.3 us per add, against 0.3 us for Flashbax's one-element
+    updates.)"""
     sizes, offsets = layout
+    per = offsets[-1]
 
     def entry(i: Int[Array, ""] | int, nodes: Float[Array, " nodes"]) -> Float[Array, " nodes"]:
         base = jnp.int32(0) if tree is None else tree[i] * per

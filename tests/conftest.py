@@ -42,7 +42,7 @@ import jax.random as jr
 import pytest
 from hypothesis import settings
 
-from .helpers import SEQUENCES, STATEFUL_EXAMPLES
+from .helpers import QUICK_EXAMPLES, SEQUENCES, STATEFUL_EXAMPLES
 
 
 # --- One compilation cache for the run's processes -------------------------------------------
@@ -65,7 +65,6 @@ for name, value in {
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-QUICK_EXAMPLES = 3
 settings.register_profile("full", deadline=None)
 settings.register_profile("quick", deadline=None, max_examples=QUICK_EXAMPLES)
 

@@ -67,6 +67,8 @@ class ReferenceRing:
 
 # `EQUIBUFFER_STATEFUL_EXAMPLES=k` multiplies every stateful test's `max_examples` by `k`
 # (`nox -s stateful` sets it); unset, each runs its small per-commit budget.
+# The quick profile's `max_examples` (`nox -s tests`; registered in tests/conftest.py).
+QUICK_EXAMPLES = 3
 STATEFUL_EXAMPLES = "EQUIBUFFER_STATEFUL_EXAMPLES"
 
 # Random operation sequences run in this process, by machine (or test) name. `conftest.py`
@@ -89,6 +91,13 @@ def budget(n: int) -> int:
     which `nox -s tests-all`, `nox -s stateful` and CI run), at most the `quick` profile's
     `max_examples` under it (`nox -s tests`). See tests/conftest.py."""
     return min(n, settings.default.max_examples)
+
+
+def by_profile(full: int, quick: int) -> int:
+    """A size for a non-property test (epochs of a statistical test, say): `full` under the
+    hypothesis profile `full` (`nox -s tests-all`, CI), `quick` under `quick` (`nox -s
+    tests`)."""
+    return quick if settings.default.max_examples <= QUICK_EXAMPLES else full
 
 
 def stateful_settings(max_examples: int, stateful_step_count: int | None = None) -> settings:

@@ -17,7 +17,7 @@ import pytest
 import equibuffer as eb
 from equibuffer._archive import ring_holding
 
-from .helpers import budget
+from .helpers import by_profile
 
 
 ROWS = 3
@@ -128,7 +128,7 @@ def test_law_is_uniform_over_windows_chi_square(tmp_path):
     pool. Over 200 epochs (80 in the quick session: still 10 draws a cell), the windows of
     each epoch's first batch, the first block visited and a window's batch index are
     uniform."""
-    seq, epochs, bs = 4, 200 if budget(80) == 80 else 80, 16
+    seq, epochs, bs = 4, by_profile(200, 80), 16
     archive = write(str(tmp_path / "a.zarr"), 8 * 16 + seq - 1, rows=1)
     loader = eb.ArchiveLoader(archive, jax.random.key(7), bs, sequence_length=seq,
                               block_steps=16, pool_blocks=2, epochs=epochs)  # fmt: skip

@@ -36,6 +36,7 @@ from ._buffers._prioritised import (
     PrioritisedTransitionBuffer as PrioritisedTransitionBuffer,
 )
 from ._buffers._queue import Queue as Queue
+from ._buffers._sizes import Sizes as Sizes
 from ._buffers._trajectory import TrajectoryBuffer as TrajectoryBuffer
 from ._buffers._transition import TransitionBuffer as TransitionBuffer
 from ._cluster import (

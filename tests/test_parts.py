@@ -342,11 +342,8 @@ class EveryOther(eb.rules.AbstractUniformRule):
     def valid_starts(self, storage, window):
         return eb.rules.Uniform().valid_starts(storage, self._wider(window))
 
-    def draw(self, storage, window, key, batch_size, ready, not_ready, where, blocks=1):
-        wider = self._wider(window)
-        return eb.rules.Uniform().draw(
-            storage, wider, key, batch_size, ready, not_ready, where, blocks
-        )
+    def draw(self, storage, window, request):
+        return eb.rules.Uniform().draw(storage, self._wider(window), request)
 
     def reference(self, window):
         return ebt.UniformRule(window.length, 2 * window.period)

@@ -143,7 +143,7 @@ def test_flashbax_only_check_keeps_signatures_and_real_typos():
     params = inspect.signature(eb.TrajectoryBuffer).parameters
     assert "sequence_length" in params and "sample_batch_size" not in params
     with pytest.raises(TypeError, match="unexpected keyword argument 'perod'"):
-        eb.TrajectoryBuffer(EXAMPLE, add_batch_size=2, capacity=16, sequence_length=2, perod=2)
+        eb.TrajectoryBuffer(EXAMPLE, add_batch_size=2, capacity=16, sequence_length=2, perod=2)  # pyright: ignore[reportCallIssue]
 
 
 def test_queue_sizes():
@@ -155,6 +155,23 @@ def test_queue_sizes():
     )
     with pytest.raises(TypeError, match=r"`max_length` is not taken here.*`max_length_time_axis=`"):
         eb.Queue(EXAMPLE, add_batch_size=3, max_length=4, sequence_length=2)
+    for name in ("min_size", "min_length", "min_length_time_axis"):
+        with pytest.raises(TypeError, match=f"Queue\\(\\): `{name}` is not taken: a queue has no"):
+            eb.Queue(EXAMPLE, add_batch_size=3, capacity=12, sequence_length=2, **{name: 2})
+
+
+@pytest.mark.parametrize("make,extra,flat", KINDS, ids=lambda k: getattr(k, "__name__", ""))
+def test_sizes_are_one_keyword_dict(make, extra, flat):
+    """Every buffer takes its sizes as `**sizes` (`eb.Sizes`): a dict of them is splatted into
+    any kind, and a keyword that is neither a size nor the constructor's own is refused with
+    the list of sizes."""
+    sizes: eb.Sizes = {"capacity": 12, "min_size": 12}
+    buffer = make(EXAMPLE, add_batch_size=3, **extra, **sizes)
+    assert buffer.capacity == 12 and buffer.max_length_time_axis == 4
+    assert buffer.min_length_time_axis == 4
+    listed = "takes the sizes capacity, max_size, max_length, max_length_time_axis, min_size"
+    with pytest.raises(TypeError, match=f"unexpected keyword argument 'capacty'.*{listed}"):
+        make(EXAMPLE, add_batch_size=3, **extra, capacty=12)
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from ._priorities import check_priority
 from ._rules import AbstractPrioritisedRule, AbstractRule, AbstractUniformRule, count_held
 from ._samples import EpisodeSample, Sample, Transition as Transition
 from ._views import AbstractView, gather_by_blocks
-from ._window import Drawn, Window
+from ._window import Drawn, Request, Window
 
 
 _Buffer = TypeVar("_Buffer", bound="AbstractBuffer")
@@ -555,16 +555,8 @@ class AbstractUniformBuffer(AbstractBuffer):
             ```
         """
         where, batch_size, blocks = self._sample_arguments(batch_size, row_blocks)
-        drawn = self.rule.draw(
-            self.storage,
-            self.window,
-            key,
-            batch_size,
-            self.can_sample(),
-            self._not_ready(where),
-            where,
-            blocks,
-        )
+        request = Request(key, batch_size, self.can_sample(), self._not_ready(where), where, blocks)
+        drawn = self.rule.draw(self.storage, self.window, request)
         experience, mask = self._experience(drawn, blocks)
         if mask is None:
             return Sample(experience=experience, indices=drawn.indices, steps=drawn.steps)

@@ -9,9 +9,10 @@ touches `add_batch_size * min(T + sequence_length - 1, max_length_time_axis)` le
 loop.
 """
 
+from typing import Unpack
+
 from jaxtyping import Array, Bool, Int
 
-from .._checks import refuse_flashbax_only
 from .._custom_types import ExampleTree
 from .._sumtree import SumTree
 from ._episode_ends import EpisodeEnd, Mode
@@ -22,7 +23,7 @@ from ._samples import (
     EpisodeSample as EpisodeSample,
     PrioritisedEpisodeSample as PrioritisedEpisodeSample,
 )
-from ._sizes import SizeArgs
+from ._sizes import Sizes
 from ._views import window_view
 
 
@@ -91,7 +92,6 @@ class EpisodeTrajectoryBuffer(Buffer):
     `view=WindowView(sequence_length)`.
     """
 
-    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,
@@ -99,20 +99,13 @@ class EpisodeTrajectoryBuffer(Buffer):
         add_batch_size: int,
         sequence_length: int,
         period: int = 1,
-        capacity: int | None = None,
-        max_size: int | None = None,
-        max_length: int | None = None,
-        max_length_time_axis: int | None = None,
-        min_size: int | None = None,
-        min_length: int | None = None,
-        min_length_time_axis: int | None = None,
         episode_end: EpisodeEnd = "done",
         mode: Mode = "never_cross",
+        **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
 
-        - `example`, `add_batch_size`, `sequence_length`, `period`, the sizes (`capacity` or
-            `max_length_time_axis`, `min_size` or `min_length_time_axis`): as for
+        - `example`, `add_batch_size`, `sequence_length`, `period`, `**sizes`: as for
             [`equibuffer.TrajectoryBuffer`][].
         - `episode_end`: what marks the last step of an episode: the name of a 0-d bool leaf
             of a dict example (default `"done"`), or a function of one step returning a 0-d
@@ -122,7 +115,6 @@ class EpisodeTrajectoryBuffer(Buffer):
             `mask`).
         """
         where = "EpisodeTrajectoryBuffer()"
-        sizes = SizeArgs.of(locals())
         view = lambda _: window_view(where, sequence_length)  # noqa: E731
         rule = lambda storage: episodic(where, storage, episode_end, mode)  # noqa: E731
         init_buffer(self, compose(where, example, add_batch_size, sizes, rule, view,
@@ -184,7 +176,6 @@ class PrioritisedEpisodeTrajectoryBuffer(PrioritisedBuffer):
     `rule=PrioritisedEpisodic(episode_end, mode, alpha)` and `view=WindowView(sequence_length)`.
     """
 
-    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,
@@ -192,27 +183,19 @@ class PrioritisedEpisodeTrajectoryBuffer(PrioritisedBuffer):
         add_batch_size: int,
         sequence_length: int,
         period: int = 1,
-        capacity: int | None = None,
-        max_size: int | None = None,
-        max_length: int | None = None,
-        max_length_time_axis: int | None = None,
-        min_size: int | None = None,
-        min_length: int | None = None,
-        min_length_time_axis: int | None = None,
         episode_end: EpisodeEnd = "done",
         mode: Mode = "never_cross",
         alpha: float = 0.6,
+        **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
 
-        - `example`, `add_batch_size`, `sequence_length`, `period`, the sizes (`capacity` or
-            `max_length_time_axis`, `min_size` or `min_length_time_axis`),
-            `episode_end`, `mode`: as for [`equibuffer.EpisodeTrajectoryBuffer`][].
+        - `example`, `add_batch_size`, `sequence_length`, `period`, `episode_end`, `mode`,
+            `**sizes`: as for [`equibuffer.EpisodeTrajectoryBuffer`][].
         - `alpha`: the priority exponent, `>= 0`: 0 is uniform over the valid windows of
             positive priority, 1 fully proportional. Default 0.6.
         """
         where = "PrioritisedEpisodeTrajectoryBuffer()"
-        sizes = SizeArgs.of(locals())
         view = lambda _: window_view(where, sequence_length)  # noqa: E731
         rule = lambda storage: prioritised_episodic(  # noqa: E731
             where, storage, episode_end, mode, alpha

@@ -7,17 +7,16 @@ named buffers share, in `_base.py` and `_prioritised.py`: a combination no named
 behaves as the named ones do.
 """
 
-from collections.abc import Callable
-from typing import NamedTuple, TypeAlias
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, TypeAlias, Unpack
 
 import equinox as eqx
 
-from .._checks import refuse_flashbax_only
 from .._custom_types import ExampleTree
 from .._ring import RingStorage
 from ._base import AbstractUniformBuffer
 from ._rules import AbstractRule, AbstractUniformRule, UNIFORM
-from ._sizes import configure, SizeArgs
+from ._sizes import configure, Sizes
 from ._views import AbstractView
 
 
@@ -40,16 +39,17 @@ def compose(
     where: str,
     example: ExampleTree,
     add_batch_size: int,
-    sizes: SizeArgs,
+    sizes: Mapping[str, Any],
     rule: _Part,
     view: _Part,
     *,
     period: int = 1,
     flat: bool = False,
 ) -> Composed:
-    """The ring sized by `sizes`, `view` checked against it, `rule` sized to it, and the
-    steps per row before sampling (errors start with `where`). `rule` and `view` may be
-    functions of the ring that build them (the named buffers' arguments, checked there)."""
+    """The ring sized by `sizes` (a constructor's `**sizes`), `view` checked against it, `rule`
+    sized to it, and the steps per row before sampling (errors start with `where`). `rule` and
+    `view` may be functions of the ring that build them (the named buffers' arguments, checked
+    there)."""
 
     def built(part: _Part, kind: type, name: str, storage: RingStorage) -> object:
         made: object = part
@@ -130,7 +130,6 @@ class Buffer(AbstractUniformBuffer):
     period: int = eqx.field(static=True)
     min_length_time_axis: int = eqx.field(static=True)
 
-    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,
@@ -139,13 +138,7 @@ class Buffer(AbstractUniformBuffer):
         view: AbstractView,
         rule: AbstractRule = UNIFORM,
         period: int = 1,
-        capacity: int | None = None,
-        max_size: int | None = None,
-        max_length: int | None = None,
-        max_length_time_axis: int | None = None,
-        min_size: int | None = None,
-        min_length: int | None = None,
-        min_length_time_axis: int | None = None,
+        **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
 
@@ -161,17 +154,13 @@ class Buffer(AbstractUniformBuffer):
             episode-aware windows). A prioritised rule takes an
             [`equibuffer.PrioritisedBuffer`][].
         - `period`: windows start at absolute steps that are multiples of `period`.
-        - `capacity` (alias `max_size`): steps held in total, rounded up to whole rows; or
-            instead `max_length_time_axis`, steps per row.
-        - `min_size`: steps held in total before `can_sample()` is true, rounded up to
-            whole rows; or instead `min_length_time_axis`, per row. Default and least: one
-            window per row.
-        - `max_length`, `min_length`: refused, with an error saying what to pass (Flashbax's
-            names for a flat buffer's totals: here `capacity` and `min_size`).
+        - `**sizes`: `capacity` (steps in total) or `max_length_time_axis` (per row), and
+            optionally `min_size` or `min_length_time_axis` (default and least: one window per
+            row), as [`equibuffer.Sizes`][] says.
         """
         where = "Buffer()"
         check_rule(where, rule, AbstractUniformRule, "eb.PrioritisedBuffer")
-        parts = compose(where, example, add_batch_size, SizeArgs.of(locals()), rule, view,
+        parts = compose(where, example, add_batch_size, sizes, rule, view,
                         period=period)  # fmt: skip
         init_buffer(self, parts)
 

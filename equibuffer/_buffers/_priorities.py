@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from .._custom_types import BoolScalar, Indices, Steps
 from .._errors import branched_error_if, record
@@ -16,7 +16,7 @@ from .._ring import RingStorage
 from .._sumtree import read_once, SumTree
 from .._windows import start_steps, window_offsets
 from ._samples import Sample
-from ._window import Drawn
+from ._window import Drawn, Request
 
 
 _Tree = TypeVar("_Tree")
@@ -58,24 +58,19 @@ def check_beta(where: str, beta: Any) -> Float[Array, ""]:
 
 
 def draw_by_priority(
-    storage: RingStorage,
-    tree: SumTree,
-    key: PRNGKeyArray,
-    batch_size: int,
-    beta: Float[Array, ""],
-    ready: BoolScalar,
-    none_valid: BoolScalar,
-    messages: tuple[str, str, str, str],
-    blocks: int = 1,
+    storage: RingStorage, tree: SumTree, request: Request, none_valid: BoolScalar, no_window: str
 ) -> Drawn:
-    """Draw `batch_size` leaves of `tree` in proportion to their values (stratified), with
-    probabilities and importance weights. One check for the four ways to fail, in the order
-    of `messages`: not `ready`; every valid window at priority 0; `none_valid`; a bad `beta`.
+    """Draw `request.batch_size` leaves of `tree` in proportion to their values (stratified),
+    with probabilities and importance weights (exponent `request.beta`). One check for the
+    four ways to fail: not `request.ready`; every valid window at priority 0; `none_valid`
+    (raising `no_window`); a bad `beta`.
 
     With `blocks > 1` the leaves are cut into that many equal blocks (the rows' blocks) and
     the `b`-th `batch_size / blocks` draws are made inside block `b`, in proportion to the
     values there: probabilities and weights are those of the block (its total, its smallest
     drawn probability), and a block of total 0 fails as a tree of total 0 does."""
+    key, batch_size, ready, not_ready, where, blocks, beta = request
+    assert beta is not None, "a prioritised draw needs `beta`"
     if blocks == 1:
         indices, leaves = tree.sample_values(key, batch_size)
         totals = tree.total()
@@ -97,7 +92,7 @@ def draw_by_priority(
         indices,
         (failure < 3) | (beta < 0) | ~jnp.isfinite(beta),
         failure,
-        list(messages),
+        list(priority_messages(where, not_ready, no_window, blocks)),
     )
     probabilities = leaves / totals
     # (N P(i))^-beta / max_j (N P(j))^-beta, written so that it neither over- nor

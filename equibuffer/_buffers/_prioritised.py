@@ -1,12 +1,11 @@
 """Prioritised replay (Schaul et al., 2016, proportional variant): the ring storage and the
 valid-window rule of the uniform buffers, with a `SumTree` holding one leaf per window start."""
 
-from typing import TypeVar
+from typing import TypeVar, Unpack
 
 import equinox as eqx
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._checks import refuse_flashbax_only
 from .._custom_types import ExampleTree, Steps
 from .._errors import recorded
 from .._protocol import AbstractPrioritisedSource
@@ -18,9 +17,10 @@ from ._generic import check_rule, compose, Composed
 from ._priorities import check_beta, check_priority_update, set_by_priority, update_target
 from ._rules import AbstractPrioritisedRule, AbstractRule, prioritised, prioritised_episodic
 from ._samples import PrioritisedEpisodeSample, PrioritisedSample as PrioritisedSample, Sample
-from ._sizes import SizeArgs
+from ._sizes import Sizes
 from ._transition import transition_view
 from ._views import AbstractView, ItemView, window_view
+from ._window import Request
 
 
 _Prioritised = TypeVar("_Prioritised", bound="AbstractPrioritisedBuffer")
@@ -126,18 +126,9 @@ class AbstractPrioritisedBuffer(AbstractBuffer, AbstractPrioritisedSource):
             ```
         """
         where, batch_size, blocks = self._sample_arguments(batch_size, row_blocks)
-        exponent = check_beta(where, beta)
-        drawn = self.rule.draw(
-            self.storage,
-            self.window,
-            key,
-            batch_size,
-            exponent,
-            self.can_sample(),
-            self._not_ready(where),
-            where,
-            blocks,
-        )
+        ready, not_ready = self.can_sample(), self._not_ready(where)
+        request = Request(key, batch_size, ready, not_ready, where, blocks, check_beta(where, beta))
+        drawn = self.rule.draw(self.storage, self.window, request)
         assert drawn.probabilities is not None and drawn.weights is not None
         experience, mask = self._experience(drawn, blocks)
         fields = dict(
@@ -248,7 +239,6 @@ class PrioritisedBuffer(AbstractPrioritisedBuffer):
     period: int = eqx.field(static=True)
     min_length_time_axis: int = eqx.field(static=True)
 
-    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,
@@ -257,17 +247,11 @@ class PrioritisedBuffer(AbstractPrioritisedBuffer):
         view: AbstractView,
         rule: AbstractRule,
         period: int = 1,
-        capacity: int | None = None,
-        max_size: int | None = None,
-        max_length: int | None = None,
-        max_length_time_axis: int | None = None,
-        min_size: int | None = None,
-        min_length: int | None = None,
-        min_length_time_axis: int | None = None,
+        **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
 
-        - `example`, `add_batch_size`, `view`, `period`, the sizes: as for
+        - `example`, `add_batch_size`, `view`, `period`, `**sizes`: as for
             [`equibuffer.Buffer`][].
         - `rule`: an [`equibuffer.rules.AbstractPrioritisedRule`][]:
             [`equibuffer.rules.Prioritised`][]`(alpha)`, or
@@ -276,7 +260,7 @@ class PrioritisedBuffer(AbstractPrioritisedBuffer):
         """
         where = "PrioritisedBuffer()"
         check_rule(where, rule, AbstractPrioritisedRule, "eb.Buffer")
-        parts = compose(where, example, add_batch_size, SizeArgs.of(locals()), rule, view,
+        parts = compose(where, example, add_batch_size, sizes, rule, view,
                         period=period)  # fmt: skip
         init_prioritised(self, parts)
 
@@ -312,7 +296,6 @@ class PrioritisedTrajectoryBuffer(PrioritisedBuffer):
     `view=WindowView(sequence_length)`.
     """
 
-    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,
@@ -320,25 +303,17 @@ class PrioritisedTrajectoryBuffer(PrioritisedBuffer):
         add_batch_size: int,
         sequence_length: int,
         period: int = 1,
-        capacity: int | None = None,
-        max_size: int | None = None,
-        max_length: int | None = None,
-        max_length_time_axis: int | None = None,
-        min_size: int | None = None,
-        min_length: int | None = None,
-        min_length_time_axis: int | None = None,
         alpha: float = 0.6,
+        **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
 
-        - `example`, `add_batch_size`, `sequence_length`, `period`, the sizes (`capacity` or
-            `max_length_time_axis`, `min_size` or `min_length_time_axis`): as for
+        - `example`, `add_batch_size`, `sequence_length`, `period`, `**sizes`: as for
             [`equibuffer.TrajectoryBuffer`][].
         - `alpha`: the priority exponent, `>= 0`: 0 is uniform over windows of positive
             priority, 1 fully proportional. Default 0.6 (Schaul et al.).
         """
         where = "PrioritisedTrajectoryBuffer()"
-        sizes = SizeArgs.of(locals())
         view = lambda _: window_view(where, sequence_length)  # noqa: E731
         rule = lambda storage: prioritised(where, storage, alpha)  # noqa: E731
         init_prioritised(self, compose(where, example, add_batch_size, sizes, rule, view,
@@ -367,19 +342,11 @@ class PrioritisedTransitionBuffer(PrioritisedBuffer):
     `NStepView(n_step, discount, ...)`).
     """
 
-    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,
         *,
         add_batch_size: int,
-        capacity: int | None = None,
-        max_size: int | None = None,
-        max_length: int | None = None,
-        max_length_time_axis: int | None = None,
-        min_size: int | None = None,
-        min_length: int | None = None,
-        min_length_time_axis: int | None = None,
         alpha: float = 0.6,
         n_step: int | None = None,
         discount: float | None = None,
@@ -388,19 +355,17 @@ class PrioritisedTransitionBuffer(PrioritisedBuffer):
         truncated: str | None = "truncated",
         episode_end: EpisodeEnd | None = None,
         mode: Mode = "never_cross",
+        **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
 
-        - `example`, `add_batch_size`, the sizes (`capacity` or `max_length_time_axis`,
-            `min_size` or `min_length_time_axis`, and Flashbax's `max_length`, `min_length`),
-            `n_step`, `discount`, `reward`, `terminated`, `truncated`, `episode_end`, `mode`: as for
-            [`equibuffer.TransitionBuffer`][]. With `n_step`
-            this is Rainbow's replay: n-step transitions drawn by priority, with importance
-            weights, cut at episode ends.
+        - `example`, `add_batch_size`, `n_step`, `discount`, `reward`, `terminated`,
+            `truncated`, `episode_end`, `mode`, `**sizes`: as for
+            [`equibuffer.TransitionBuffer`][]. With `n_step` this is Rainbow's replay: n-step
+            transitions drawn by priority, with importance weights, cut at episode ends.
         - `alpha`: the priority exponent, `>= 0` (default 0.6).
         """
         where = "PrioritisedTransitionBuffer()"
-        sizes = SizeArgs.of(locals())
         view = lambda storage: transition_view(  # noqa: E731
             where, storage, n_step, discount, reward, terminated, truncated
         )
@@ -433,30 +398,20 @@ class PrioritisedItemBuffer(PrioritisedBuffer):
     `view=ItemView()`.
     """
 
-    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,
         *,
         add_batch_size: int,
-        capacity: int | None = None,
-        max_size: int | None = None,
-        max_length: int | None = None,
-        max_length_time_axis: int | None = None,
-        min_size: int | None = None,
-        min_length: int | None = None,
-        min_length_time_axis: int | None = None,
         alpha: float = 0.6,
+        **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
 
-        - `example`, `add_batch_size`, the sizes (`capacity` or `max_length_time_axis`,
-            `min_size` or `min_length_time_axis`, and Flashbax's `max_length`, `min_length`): as for
-            [`equibuffer.ItemBuffer`][].
+        - `example`, `add_batch_size`, `**sizes`: as for [`equibuffer.ItemBuffer`][].
         - `alpha`: the priority exponent, `>= 0` (default 0.6).
         """
         where = "PrioritisedItemBuffer()"
-        sizes = SizeArgs.of(locals())
         rule = lambda storage: prioritised(where, storage, alpha)  # noqa: E731
         parts = compose(where, example, add_batch_size, sizes, rule, ItemView(), flat=True)
         init_prioritised(self, parts)

@@ -1,21 +1,21 @@
 """A FIFO queue of trajectories, for on-policy algorithms: the ring storage plus a count of the
 steps not yet read."""
 
-from typing import NoReturn
+from typing import NoReturn, Unpack
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, PRNGKeyArray
 
-from .._checks import check_positive_int, refuse_flashbax_only
+from .._checks import check_positive_int
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar
 from .._errors import error_if, recorded
 from .._ring import check_like, RingStorage
 from .._windows import gather_slots
 from ._base import AbstractRingHolder, Sample, update_storage, UpdateFn
 from ._epochs import no_epochs
-from ._sizes import SizeArgs
+from ._sizes import SizeArgs, Sizes
 
 
 class Queue(AbstractRingHolder):
@@ -52,35 +52,39 @@ class Queue(AbstractRingHolder):
     sequence_length: int = eqx.field(static=True)
     add_sequence_length: int | None = eqx.field(static=True)
 
-    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,
         *,
         add_batch_size: int,
         sequence_length: int,
-        capacity: int | None = None,
-        max_size: int | None = None,
-        max_length_time_axis: int | None = None,
-        max_length: int | None = None,
         add_sequence_length: int | None = None,
+        **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
 
         - `example`: one step of experience, a pytree of arrays.
         - `add_batch_size`: the number of rows each `add` writes (e.g. parallel environments).
         - `sequence_length`: the number of steps of every row that `sample` returns.
-        - `capacity` (alias `max_size`): steps held in total, rounded up to whole rows. Or
-            instead `max_length_time_axis` (Flashbax's name): steps held per row. At least
-            `sequence_length` per row. (`max_length` is refused with an error saying what to
-            pass.)
         - `add_sequence_length`: optional, Flashbax's name: the steps per row every `add`
             brings. When given, `add` refuses batches of any other length and `can_add()`
             answers for it; when not, `add` takes any length and `can_add(steps)` needs the
             length of the next add.
+        - `**sizes`: `capacity` (steps held in total, alias `max_size`) or
+            `max_length_time_axis` (per row, Flashbax's name), as [`equibuffer.Sizes`][] says;
+            at least `sequence_length` per row. A queue has no minimum: `can_sample()` is true
+            once every row holds `sequence_length` unread steps.
         """
         where = "Queue()"
-        self.storage = SizeArgs.of(locals()).storage(where, example, add_batch_size, flat=False)
+        given = SizeArgs.of(where, sizes)
+        minimum = [name for name in ("min_size", "min_length", "min_length_time_axis")
+                   if getattr(given, name) is not None]  # fmt: skip
+        if minimum:
+            raise TypeError(
+                f"{where}: `{minimum[0]}` is not taken: a queue has no minimum size, "
+                "`can_sample()` is true once every row holds `sequence_length` unread steps."
+            )
+        self.storage = given.storage(where, example, add_batch_size, flat=False)
         length = self.storage.length
         self.sequence_length = check_positive_int(where, "sequence_length", sequence_length)
         if self.sequence_length > length:

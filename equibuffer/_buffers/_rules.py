@@ -29,9 +29,9 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int
 
-from .._custom_types import BoolScalar, Indices, IntScalar, Steps
+from .._custom_types import Indices, IntScalar, Steps
 from .._errors import branched_error_if, error_if
 from .._ring import Appended, RingStorage
 from .._sumtree import read_once, SumTree
@@ -53,8 +53,8 @@ from ._episode_ends import (
     Mode,
     new_episode_ends,
 )
-from ._priorities import check_alpha, draw_by_priority, priority_messages
-from ._window import Drawn, Window
+from ._priorities import check_alpha, draw_by_priority
+from ._window import Drawn, Request, Window
 
 
 _Rule = TypeVar("_Rule", bound="AbstractRule")
@@ -210,21 +210,10 @@ class AbstractUniformRule(AbstractRule):
     """
 
     @abc.abstractmethod
-    def draw(
-        self,
-        storage: RingStorage,
-        window: Window,
-        key: PRNGKeyArray,
-        batch_size: int,
-        ready: BoolScalar,
-        not_ready: str,
-        where: str,
-        blocks: int = 1,
-    ) -> Drawn:
-        """Draw `batch_size` valid windows uniformly, with replacement; raise `not_ready`
-        inside jit unless `ready`. With `blocks > 1` (dividing the rows and `batch_size`),
-        the `b`-th `batch_size / blocks` windows are drawn uniformly among those of the
-        `b`-th of `blocks` equal blocks of rows."""
+    def draw(self, storage: RingStorage, window: Window, request: Request) -> Drawn:
+        """Draw `request.batch_size` valid windows uniformly, with replacement, as the
+        [`equibuffer.rules.Request`][] says (its `beta` is None); with `blocks > 1`, the
+        `b`-th `batch_size / blocks` windows uniformly among those of the `b`-th block."""
 
 
 class AbstractPrioritisedRule(AbstractRule):
@@ -247,20 +236,10 @@ class AbstractPrioritisedRule(AbstractRule):
     alpha: eqx.AbstractVar[float]
 
     @abc.abstractmethod
-    def draw(
-        self,
-        storage: RingStorage,
-        window: Window,
-        key: PRNGKeyArray,
-        batch_size: int,
-        beta: Float[Array, ""],
-        ready: BoolScalar,
-        not_ready: str,
-        where: str,
-        blocks: int = 1,
-    ) -> Drawn:
-        """Draw `batch_size` valid windows by priority, with probabilities and weights;
-        with `blocks > 1`, by block of rows as the uniform rules do (see `draw_by_priority`)."""
+    def draw(self, storage: RingStorage, window: Window, request: Request) -> Drawn:
+        """Draw `request.batch_size` valid windows by priority, with probabilities and
+        importance weights of exponent `request.beta`; with `blocks > 1`, by block of rows
+        as the uniform rules do (see `draw_by_priority`)."""
 
     @abc.abstractmethod
     def current(
@@ -302,17 +281,8 @@ class Uniform(_ByTheCounters, AbstractUniformRule):
     def updated(self, storage: RingStorage, window: Window, *, restored: bool = False) -> "Uniform":
         return self
 
-    def draw(
-        self,
-        storage: RingStorage,
-        window: Window,
-        key: PRNGKeyArray,
-        batch_size: int,
-        ready: BoolScalar,
-        not_ready: str,
-        where: str,
-        blocks: int = 1,
-    ) -> Drawn:
+    def draw(self, storage: RingStorage, window: Window, request: Request) -> Drawn:
+        key, batch_size, ready, not_ready, _, blocks, _ = request
         indices, steps = uniform_windows(
             storage, key, batch_size, window.length, window.period, blocks
         )
@@ -418,17 +388,8 @@ class Episodic(AbstractUniformRule):
     def reference(self, window: Window) -> Any:
         return episode_model(self.episodes, window)
 
-    def draw(
-        self,
-        storage: RingStorage,
-        window: Window,
-        key: PRNGKeyArray,
-        batch_size: int,
-        ready: BoolScalar,
-        not_ready: str,
-        where: str,
-        blocks: int = 1,
-    ) -> Drawn:
+    def draw(self, storage: RingStorage, window: Window, request: Request) -> Drawn:
+        key, batch_size, ready, not_ready, where, blocks, _ = request
         # Integer prefixes and integer node sums are exact in float32 below 2**24.
         if blocks == 1:
             total = self.count_valid(storage, window)
@@ -528,29 +489,9 @@ class Prioritised(_ByTheCounters, AbstractPrioritisedRule):
         tree = self.tree.write(indices, values, unique_indices=True)  # (every slot once)
         return eqx.tree_at(lambda r: r.tree, self, tree)
 
-    def draw(
-        self,
-        storage: RingStorage,
-        window: Window,
-        key: PRNGKeyArray,
-        batch_size: int,
-        beta: Float[Array, ""],
-        ready: BoolScalar,
-        not_ready: str,
-        where: str,
-        blocks: int = 1,
-    ) -> Drawn:
-        return draw_by_priority(
-            storage,
-            self.tree,
-            key,
-            batch_size,
-            beta,
-            ready,
-            jnp.array(False),
-            priority_messages(where, not_ready, f"{where}: no valid window.", blocks),
-            blocks,
-        )
+    def draw(self, storage: RingStorage, window: Window, request: Request) -> Drawn:
+        no_window = f"{request.where}: no valid window."
+        return draw_by_priority(storage, self.tree, request, jnp.array(False), no_window)
 
     def current(
         self, storage: RingStorage, window: Window, indices: Indices, steps: Steps
@@ -679,30 +620,9 @@ class PrioritisedEpisodic(AbstractPrioritisedRule):
     ) -> Bool[Array, "batch window"]:
         return self.episodes.mask(storage, indices, window)
 
-    def draw(
-        self,
-        storage: RingStorage,
-        window: Window,
-        key: PRNGKeyArray,
-        batch_size: int,
-        beta: Float[Array, ""],
-        ready: BoolScalar,
-        not_ready: str,
-        where: str,
-        blocks: int = 1,
-    ) -> Drawn:
-        no_window = self.episodes.no_window_message(where, window)
-        return draw_by_priority(
-            storage,
-            self.tree,
-            key,
-            batch_size,
-            beta,
-            ready,
-            self.num_valid == 0,
-            priority_messages(where, not_ready, no_window, blocks),
-            blocks,
-        )
+    def draw(self, storage: RingStorage, window: Window, request: Request) -> Drawn:
+        no_window = self.episodes.no_window_message(request.where, window)
+        return draw_by_priority(storage, self.tree, request, self.num_valid == 0, no_window)
 
     def count_valid(self, storage: RingStorage, window: Window) -> IntScalar:
         return self.num_valid

@@ -14,10 +14,10 @@ refused with an error naming what to pass.
 """
 
 import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, TypedDict
 
-from .._checks import check_positive_int
+from .._checks import check_positive_int, FLASHBAX_ONLY
 from .._custom_types import ExampleTree
 from .._ring import RingStorage
 from ._views import AbstractView
@@ -125,6 +125,44 @@ def min_length_time_axis(
     return max(needs, math.ceil(value / rows))
 
 
+class Sizes(TypedDict, total=False):
+    """The size keywords every buffer built on a ring takes, as `**sizes` (give one of the
+    first four and at most one of the last three). Steps are items on the item buffers.
+
+    - `capacity`: steps held in total, rounded *up* to whole rows (a buffer never holds less
+        than asked for). `max_size` is the same, by Flashbax's name; so is `max_length` on the
+        flat-shaped buffers (`TransitionBuffer`, `ItemBuffer` and their prioritised kinds), as
+        in Flashbax's flat and item buffers.
+    - `max_length_time_axis`: steps held per row instead.
+    - `min_size`: steps held in total before `can_sample()` is true, rounded up to whole rows
+        (`min_length` on the flat-shaped buffers, as in Flashbax); or `min_length_time_axis`,
+        per row. Default and least: the steps one sample spans, per row.
+
+    On the trajectory-shaped buffers (`TrajectoryBuffer`, `EpisodeTrajectoryBuffer`, their
+    prioritised kinds, `Queue`, `Buffer`), where Flashbax counts per row, `max_length` and
+    `min_length` are refused with an error naming what to pass. A keyword that is no size,
+    and none of the constructor's own, is a `TypeError` that lists these.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax.numpy as jnp
+
+        sizes: eb.Sizes = {"capacity": 1000, "min_size": 64}
+        buffer = eb.TransitionBuffer({"x": jnp.float32(0)}, add_batch_size=8, **sizes)
+        assert buffer.capacity == 1000 and buffer.max_length_time_axis == 125
+        ```
+    """
+
+    capacity: int
+    max_size: int
+    max_length: int
+    max_length_time_axis: int
+    min_size: int
+    min_length: int
+    min_length_time_axis: int
+
+
 class SizeArgs(NamedTuple):
     """The size arguments a buffer's constructor received (None: not given)."""
 
@@ -137,11 +175,22 @@ class SizeArgs(NamedTuple):
     min_length_time_axis: int | None = None
 
     @classmethod
-    def of(cls, arguments: dict[str, Any]) -> "SizeArgs":
-        """The size arguments among a constructor's `arguments` (its `locals()`), by name;
-        those it does not take are None. Every buffer's constructor reads its sizes this one
-        way, so no two can pass them in a different order."""
-        return cls(**{name: arguments.get(name) for name in cls._fields})
+    def of(cls, where: str, sizes: Mapping[str, Any]) -> "SizeArgs":
+        """The size keywords a constructor received as `**sizes` ([`equibuffer.Sizes`][]),
+        checked by name: a Flashbax factory argument equibuffer does not take gets the
+        spelling to pass instead, any other unknown keyword a `TypeError` listing the sizes.
+        Every buffer's constructor reads its sizes this one way."""
+        for name in sorted(sizes.keys() - set(cls._fields), key=lambda n: n not in FLASHBAX_ONLY):
+            if name in FLASHBAX_ONLY:
+                raise TypeError(
+                    f"{where}: `{name}` is a Flashbax factory argument that equibuffer does "
+                    f"not take: {FLASHBAX_ONLY[name]}."
+                )
+            raise TypeError(
+                f"{where}: unexpected keyword argument '{name}': besides its own arguments it "
+                f"takes the sizes {', '.join(cls._fields)} (see equibuffer.Sizes)."
+            )
+        return cls(**sizes)
 
     def storage(
         self, where: str, example: ExampleTree, add_batch_size: int, *, flat: bool
@@ -195,18 +244,20 @@ def configure(
     where: str,
     example: ExampleTree,
     add_batch_size: int,
-    sizes: SizeArgs,
+    sizes: Mapping[str, Any],
     view: Callable[[RingStorage], AbstractView],
     *,
     flat: bool,
     period: int = 1,
 ) -> Parts:
-    """The storage sized by `sizes`, the view `view(storage)` builds, the period and the steps
-    per row before sampling (one window of the view at least): every buffer's configuration."""
-    storage = sizes.storage(where, example, add_batch_size, flat=flat)
+    """The storage sized by `sizes` (a constructor's `**sizes`, checked), the view
+    `view(storage)` builds, the period and the steps per row before sampling (one window of
+    the view at least): every buffer's configuration."""
+    given = SizeArgs.of(where, sizes)
+    storage = given.storage(where, example, add_batch_size, flat=flat)
     built = view(storage)
     period = check_positive_int(where, "period", period)
-    minimum = sizes.min_length_time_axis_for(
+    minimum = given.min_length_time_axis_for(
         where, storage, built.window_length, built.window_name, flat=flat
     )
     return Parts(storage, built, period, minimum)

@@ -1,8 +1,9 @@
-from .._checks import refuse_flashbax_only
+from typing import Unpack
+
 from .._custom_types import ExampleTree
 from ._generic import Buffer, compose, init_buffer
 from ._rules import UNIFORM
-from ._sizes import SizeArgs
+from ._sizes import Sizes
 from ._views import window_view
 
 
@@ -27,7 +28,6 @@ class TrajectoryBuffer(Buffer):
     It is [`equibuffer.Buffer`][] with `rule=Uniform()` and `view=WindowView(sequence_length)`.
     """
 
-    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,
@@ -35,13 +35,7 @@ class TrajectoryBuffer(Buffer):
         add_batch_size: int,
         sequence_length: int,
         period: int = 1,
-        capacity: int | None = None,
-        max_size: int | None = None,
-        max_length: int | None = None,
-        max_length_time_axis: int | None = None,
-        min_size: int | None = None,
-        min_length: int | None = None,
-        min_length_time_axis: int | None = None,
+        **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
 
@@ -52,16 +46,11 @@ class TrajectoryBuffer(Buffer):
         - `sequence_length`: the number of consecutive steps in each sampled window.
         - `period`: windows start at absolute steps that are multiples of `period` (1: every
             step; `sequence_length`: non-overlapping windows).
-        - `capacity` (alias `max_size`, Flashbax's name): steps held in total, rounded up to
-            whole rows. Or instead `max_length_time_axis`: steps held per row.
-        - `min_size`: steps held in total before `can_sample()` is true, rounded up to whole
-            rows; or instead `min_length_time_axis`, per row. Default and least: one window
-            per row.
-        - `max_length`, `min_length`: refused, with an error saying what to pass (they are
-            Flashbax's names for a flat buffer's totals, which trajectory buffers do not take).
+        - `**sizes`: `capacity` (steps in total) or `max_length_time_axis` (per row), and
+            optionally `min_size` or `min_length_time_axis` (default and least: one window per
+            row), as [`equibuffer.Sizes`][] says.
         """
         where = "TrajectoryBuffer()"
         view = lambda _: window_view(where, sequence_length)  # noqa: E731
-        sizes = SizeArgs.of(locals())
         init_buffer(self, compose(where, example, add_batch_size, sizes, UNIFORM, view,
                                   period=period))  # fmt: skip

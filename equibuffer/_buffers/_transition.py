@@ -1,11 +1,12 @@
-from .._checks import refuse_flashbax_only
+from typing import Unpack
+
 from .._custom_types import ExampleTree
 from .._nstep import check_discount, check_leaves, check_n_step
 from .._ring import RingStorage
 from ._episode_ends import EpisodeEnd, Mode
 from ._generic import Buffer, compose, init_buffer
 from ._rules import episodic, UNIFORM
-from ._sizes import SizeArgs
+from ._sizes import Sizes
 from ._views import NStepView, PairView
 
 
@@ -51,19 +52,11 @@ class TransitionBuffer(Buffer):
         ```
     """
 
-    @refuse_flashbax_only
     def __init__(
         self,
         example: ExampleTree,
         *,
         add_batch_size: int,
-        capacity: int | None = None,
-        max_size: int | None = None,
-        max_length: int | None = None,
-        max_length_time_axis: int | None = None,
-        min_size: int | None = None,
-        min_length: int | None = None,
-        min_length_time_axis: int | None = None,
         n_step: int | None = None,
         discount: float | None = None,
         reward: str = "reward",
@@ -71,18 +64,16 @@ class TransitionBuffer(Buffer):
         truncated: str | None = "truncated",
         episode_end: EpisodeEnd | None = None,
         mode: Mode = "never_cross",
+        **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
 
         - `example`: one step of experience, a pytree of arrays.
         - `add_batch_size`: the number of rows each `add` writes.
-        - `capacity` (aliases `max_size` and, as in Flashbax's flat and item buffers,
-            `max_length`): steps held in total, rounded up to whole rows. Or instead
-            `max_length_time_axis`: steps held per row.
-        - `min_size` (alias `min_length`, as in Flashbax's flat and item buffers): steps held
-            in total before `can_sample()` is true, rounded up to whole rows; or instead
-            `min_length_time_axis`, per row. Default and least: 2 per row (`n_step + 1`
-            with `n_step`).
+        - `**sizes`: `capacity` (steps in total; Flashbax's `max_length` too) or
+            `max_length_time_axis` (per row), and optionally `min_size` (`min_length`) or
+            `min_length_time_axis` (default and least: 2 per row, `n_step + 1` with `n_step`),
+            as [`equibuffer.Sizes`][] says.
         - `n_step`: sample n-step transitions ([`equibuffer.NStepTransition`][]) instead
             of pairs; at least 1. Needs `discount` and the leaves named by:
         - `reward`, `terminated`, `truncated`: the names (keys or attributes of the example)
@@ -100,7 +91,6 @@ class TransitionBuffer(Buffer):
             transition, comes back zero, with `sample.mask` false there).
         """
         where = "TransitionBuffer()"
-        sizes = SizeArgs.of(locals())
         view = lambda storage: transition_view(  # noqa: E731
             where, storage, n_step, discount, reward, terminated, truncated
         )

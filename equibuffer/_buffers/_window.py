@@ -1,11 +1,12 @@
-"""The window a sampling rule draws, and what one draw returns: the types every rule and
-every buffer share (public as `equibuffer.rules.Window` and `equibuffer.rules.Drawn`)."""
+"""The window a sampling rule draws, what a buffer asks of one draw, and what it returns: the
+types every rule and every buffer share (public as `equibuffer.rules.Window`,
+`equibuffer.rules.Request` and `equibuffer.rules.Drawn`)."""
 
 from typing import NamedTuple
 
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._custom_types import Indices, Steps
+from .._custom_types import BoolScalar, Indices, Steps
 
 
 class Window(NamedTuple):
@@ -29,6 +30,36 @@ class Window(NamedTuple):
     name: str
 
 
+class Request(NamedTuple):
+    """What a buffer asks of its rule's `draw`: `batch_size` windows drawn with `key`; raise
+    `not_ready` inside jit unless `ready` (the counters allow a draw); errors start with
+    `where`; with `blocks > 1` (dividing the rows and `batch_size`) the `b`-th
+    `batch_size / blocks` windows come from the `b`-th of `blocks` equal blocks of rows; a
+    prioritised rule weights by the importance exponent `beta` (None for a uniform rule).
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        buffer = eb.PrioritisedItemBuffer({"x": jnp.zeros(())}, add_batch_size=1, capacity=4)
+        buffer = buffer.add({"x": jnp.arange(3.0)[None]})
+        request = eb.rules.Request(jax.random.key(0), 6, buffer.can_sample(), "not ready",
+                                   "draw", beta=jnp.float32(0.4))
+        drawn = buffer.rule.draw(buffer.storage, buffer.window, request)
+        assert drawn.indices.shape == drawn.weights.shape == (6,)
+        ```
+    """
+
+    key: PRNGKeyArray
+    batch_size: int
+    ready: BoolScalar
+    not_ready: str
+    where: str
+    blocks: int = 1
+    beta: Float[Array, ""] | None = None
+
+
 class Drawn(NamedTuple):
     """What a rule's draw gives the buffer: the flat index (`row * max_length_time_axis +
     slot`) and absolute start step of each window, and for prioritised rules the probability
@@ -41,8 +72,8 @@ class Drawn(NamedTuple):
 
         buffer = eb.ItemBuffer({"x": jnp.zeros(())}, add_batch_size=1, capacity=4)
         buffer = buffer.add({"x": jnp.arange(3.0)[None]})
-        drawn = buffer.rule.draw(buffer.storage, buffer.window, jax.random.key(0), 5,
-                                 buffer.can_sample(), "not ready", "draw")
+        request = eb.rules.Request(jax.random.key(0), 5, buffer.can_sample(), "not ready", "draw")
+        drawn = buffer.rule.draw(buffer.storage, buffer.window, request)
         assert isinstance(drawn, eb.rules.Drawn) and drawn.probabilities is None
         assert bool((drawn.indices < 3).all())  # slots 0-2 hold items
         ```

@@ -11,5 +11,5 @@ from .._buffers._rules import (
     PrioritisedEpisodic as PrioritisedEpisodic,
     Uniform as Uniform,
 )
-from .._buffers._window import Drawn as Drawn, Window as Window
+from .._buffers._window import Drawn as Drawn, Request as Request, Window as Window
 from .._ring import Appended as Appended

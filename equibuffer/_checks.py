@@ -124,6 +124,14 @@ FLASHBAX_ONLY = {
 _Params = ParamSpec("_Params")
 
 
+def flashbax_only_error(owner: str, name: str) -> TypeError:
+    """The error for `name`, a Flashbax factory argument (`FLASHBAX_ONLY`) given to `owner`."""
+    return TypeError(
+        f"{owner}: `{name}` is a Flashbax factory argument that equibuffer does not take: "
+        f"{FLASHBAX_ONLY[name]}."
+    )
+
+
 def refuse_flashbax_only(init: Callable[_Params, None]) -> Callable[_Params, None]:
     """Decorate a constructor so that a Flashbax-only keyword it does not take (`FLASHBAX_ONLY`)
     raises a `TypeError` naming what to pass instead."""
@@ -134,10 +142,7 @@ def refuse_flashbax_only(init: Callable[_Params, None]) -> Callable[_Params, Non
     def checked(*args: _Params.args, **kwargs: _Params.kwargs) -> None:
         for name in sorted(refused & kwargs.keys()):
             owner = f"{type(args[0]).__name__}()" if args else init.__qualname__
-            raise TypeError(
-                f"{owner}: `{name}` is a Flashbax factory argument that equibuffer does not take: "
-                f"{FLASHBAX_ONLY[name]}."
-            )
+            raise flashbax_only_error(owner, name)
         init(*args, **kwargs)
 
     return checked

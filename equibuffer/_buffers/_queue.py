@@ -77,13 +77,12 @@ class Queue(AbstractRingHolder):
         """
         where = "Queue()"
         given = SizeArgs.of(where, sizes)
-        minimum = [name for name in ("min_size", "min_length", "min_length_time_axis")
-                   if getattr(given, name) is not None]  # fmt: skip
-        if minimum:
-            raise TypeError(
-                f"{where}: `{minimum[0]}` is not taken: a queue has no minimum size, "
-                "`can_sample()` is true once every row holds `sequence_length` unread steps."
-            )
+        for name in ("min_size", "min_length", "min_length_time_axis"):
+            if getattr(given, name) is not None:
+                raise TypeError(
+                    f"{where}: `{name}` is not taken: a queue has no minimum size, "
+                    "`can_sample()` is true once every row holds `sequence_length` unread steps."
+                )
         self.storage = given.storage(where, example, add_batch_size, flat=False)
         length = self.storage.length
         self.sequence_length = check_positive_int(where, "sequence_length", sequence_length)

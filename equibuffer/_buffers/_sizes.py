@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, TypedDict
 
-from .._checks import check_positive_int, FLASHBAX_ONLY
+from .._checks import check_positive_int, FLASHBAX_ONLY, flashbax_only_error
 from .._custom_types import ExampleTree
 from .._ring import RingStorage
 from ._views import AbstractView
@@ -182,10 +182,7 @@ class SizeArgs(NamedTuple):
         Every buffer's constructor reads its sizes this one way."""
         for name in sorted(sizes.keys() - set(cls._fields), key=lambda n: n not in FLASHBAX_ONLY):
             if name in FLASHBAX_ONLY:
-                raise TypeError(
-                    f"{where}: `{name}` is a Flashbax factory argument that equibuffer does "
-                    f"not take: {FLASHBAX_ONLY[name]}."
-                )
+                raise flashbax_only_error(where, name)
             raise TypeError(
                 f"{where}: unexpected keyword argument '{name}': besides its own arguments it "
                 f"takes the sizes {', '.join(cls._fields)} (see equibuffer.Sizes)."

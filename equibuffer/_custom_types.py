@@ -1,7 +1,7 @@
 from typing import Any, TypeAlias
 
 import numpy as np
-from jaxtyping import Array, Bool, Int, PyTree, Shaped, UInt, UInt32
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PyTree, Shaped, UInt, UInt32
 
 
 # An experience tree: any pytree (dict, tuple, eqx.Module, ...) of arrays.
@@ -14,6 +14,9 @@ ExperienceBatch: TypeAlias = PyTree[Shaped[Array | np.ndarray, "_add_batch_size 
 ExampleTree: TypeAlias = PyTree[Any]
 
 Scalar: TypeAlias = Shaped[Array, ""]
+# The importance-sampling exponent of a prioritised `sample`: a float, or a 0-d array so
+# that it may be annealed without retracing.
+Beta: TypeAlias = float | Float[ArrayLike, ""]
 BoolScalar: TypeAlias = Bool[Array, ""]
 IntScalar: TypeAlias = Int[Array, ""]
 Count: TypeAlias = UInt32[Array, ""]

@@ -13,7 +13,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree, Shaped
 from ._buffers._base import Sample
 from ._buffers._epochs import no_epochs
 from ._checks import check_positive_int, keystr, refuse_flashbax_only
-from ._custom_types import BoolScalar, IntScalar
+from ._custom_types import Beta, BoolScalar, IntScalar
 from ._errors import recorded
 from ._protocol import AbstractPrioritisedSource, AbstractSource
 
@@ -235,12 +235,7 @@ class Mixer(AbstractPrioritisedSource):
 
     @recorded
     def sample(
-        self,
-        key: PRNGKeyArray,
-        batch_size: int,
-        beta: float | Float[ArrayLike, ""] = 1.0,
-        *,
-        row_blocks: int = 1,
+        self, key: PRNGKeyArray, batch_size: int, beta: Beta = 1.0, *, row_blocks: int = 1
     ) -> MixedSample:
         """Draw `counts(batch_size)[i]` rows from source `i`, each source with its own
         `sample` (independent keys), and concatenate them in source order.

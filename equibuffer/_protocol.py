@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import equinox as eqx
 from jaxtyping import ArrayLike, Float, PRNGKeyArray
 
-from ._custom_types import BoolScalar, ExperienceBatch, IntScalar, StepCount
+from ._custom_types import Beta, BoolScalar, ExperienceBatch, IntScalar, StepCount
 
 
 _Buffer = TypeVar("_Buffer", bound="AbstractReplayBuffer")
@@ -109,12 +109,7 @@ class AbstractPrioritisedSource(AbstractSource):
 
     @abc.abstractmethod
     def sample(
-        self,
-        key: PRNGKeyArray,
-        batch_size: int,
-        beta: float | Float[ArrayLike, ""] = 1.0,
-        *,
-        row_blocks: int = 1,
+        self, key: PRNGKeyArray, batch_size: int, beta: Beta = 1.0, *, row_blocks: int = 1
     ) -> Any:
         """Draw `batch_size` elements by priority; the sample carries importance `weights`
         with exponent `beta` (`>= 0`; a float or a 0-d array). `row_blocks` as for

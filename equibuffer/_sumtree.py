@@ -2,7 +2,7 @@
 
 import functools
 import math
-from typing import Any, TYPE_CHECKING
+from typing import Any, NamedTuple, TYPE_CHECKING
 
 import equinox as eqx
 import jax
@@ -617,23 +617,32 @@ def _write(
         by_level = functools.partial(
             _write_by_level, layout=layout, k=k, unique_indices=unique_indices, trees=trees
         )
-        args = (nodes, indices, values, mask, tree)
-        return jax.lax.platform_dependent(*args, cpu=in_turn, default=by_level)
-    return _write_by_level(nodes, indices, values, mask, tree, layout, k, unique_indices, trees)
+        writes = _Writes(indices, values, mask, tree)
+        return jax.lax.platform_dependent(nodes, writes, cpu=in_turn, default=by_level)
+    writes = _Writes(indices, values, mask, tree)
+    return _write_by_level(nodes, writes, layout, k, unique_indices, trees)
+
+
+class _Writes(NamedTuple):
+    """The entries of one `_write`: leaf `indices[i]` (of tree `tree[i]`; None: the only
+    one) set to `values[i]` where `mask[i]` (None: everywhere)."""
+
+    indices: Int[Array, " batch"]
+    values: Float[Array, " batch"]
+    mask: Bool[Array, " batch"] | None
+    tree: Int[Array, " batch"] | None
 
 
 def _write_by_level(
     nodes: Float[Array, " nodes"],
-    indices: Int[Array, " batch"],
-    values: Float[Array, " batch"],
-    mask: Bool[Array, " batch"] | None,
-    tree: Int[Array, " batch"] | None,
+    writes: _Writes,
     layout: tuple[tuple[int, ...], tuple[int, ...]],
     k: int,
     unique_indices: bool,
     trees: int,
 ) -> Float[Array, " nodes"]:
     """`_write` by one scatter per level."""
+    indices, values, mask, tree = writes
     sizes, offsets = layout
     per = offsets[-1]
     end = trees * per  # (an index past the end: dropped by a scatter)
@@ -690,13 +699,7 @@ def _write_by_level(
 
 
 def _write_in_turn(
-    nodes: Float[Array, " nodes"],
-    indices: Int[Array, " batch"],
-    values: Float[Array, " batch"],
-    mask: Bool[Array, " batch"] | None,
-    tree: Int[Array, " batch"] | None,
-    layout: tuple[tuple[int, ...], tuple[int, ...]],
-    k: int,
+    nodes: Float[Array, " nodes"], writes: _Writes, layout: tuple[tuple[int, ...], ...], k: int
 ) -> Float[Array, " nodes"]:
     """`_write` of a few entries, one after the other: each writes its leaf (a skipped one
     writes the leaf's own value back) and recomputes its path up to its tree's root, so the
@@ -705,6 +708,7 @@ def _write_in_turn(
     10**6 leaves, as a one-step `add` makes, was split by XLA:CPU across two threads by the
     size of the array it updates: 6.3 us per add, against 0.3 us for Flashbax's one-element
     updates.)"""
+    indices, values, mask, tree = writes
     sizes, offsets = layout
     per = offsets[-1]
 

@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
@@ -20,6 +21,23 @@ from ._window import Drawn, Request
 
 
 _Tree = TypeVar("_Tree")
+
+
+class RulePriorities(eqx.Module):
+    """`max_priority` and `alpha` of a buffer whose rule keeps them: the prioritised ring
+    buffers and the prioritised clustered buffer."""
+
+    rule: eqx.AbstractVar[Any]
+
+    @property
+    def max_priority(self) -> Float[Array, ""]:
+        """The largest priority set so far (1 before any): what is added enters at it."""
+        return self.rule.max_priority
+
+    @property
+    def alpha(self) -> float:
+        """The priority exponent."""
+        return self.rule.alpha
 
 
 def check_alpha(where: str, alpha: Any) -> float:

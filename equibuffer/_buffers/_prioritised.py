@@ -4,9 +4,9 @@ valid-window rule of the uniform buffers, with a `SumTree` holding one leaf per 
 from typing import TypeVar, Unpack
 
 import equinox as eqx
-from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
+from jaxtyping import ArrayLike, Float, Int, PRNGKeyArray
 
-from .._custom_types import ExampleTree, Steps
+from .._custom_types import Beta, ExampleTree, Steps
 from .._errors import recorded
 from .._protocol import AbstractPrioritisedSource
 from .._ring import RingStorage
@@ -14,7 +14,13 @@ from .._sumtree import SumTree
 from ._base import AbstractBuffer
 from ._episode_ends import EpisodeEnd, Mode
 from ._generic import check_rule, compose, Composed
-from ._priorities import check_beta, check_priority_update, set_by_priority, update_target
+from ._priorities import (
+    check_beta,
+    check_priority_update,
+    RulePriorities,
+    set_by_priority,
+    update_target,
+)
 from ._rules import AbstractPrioritisedRule, AbstractRule, prioritised, prioritised_episodic
 from ._samples import PrioritisedEpisodeSample, PrioritisedSample as PrioritisedSample, Sample
 from ._sizes import Sizes
@@ -26,7 +32,7 @@ from ._window import Request
 _Prioritised = TypeVar("_Prioritised", bound="AbstractPrioritisedBuffer")
 
 
-class AbstractPrioritisedBuffer(AbstractBuffer, AbstractPrioritisedSource):
+class AbstractPrioritisedBuffer(AbstractBuffer, RulePriorities, AbstractPrioritisedSource):
     """A buffer whose windows are drawn with probability proportional to `priority ** alpha`.
 
     It is a [`equibuffer.RingStorage`][] plus the valid-window rule of the uniform buffers,
@@ -65,24 +71,9 @@ class AbstractPrioritisedBuffer(AbstractBuffer, AbstractPrioritisedSource):
         """The [`equibuffer.SumTree`][] of `priority ** alpha`, one leaf per window start."""
         return self.rule.tree
 
-    @property
-    def max_priority(self) -> Float[Array, ""]:
-        """The largest priority set so far (1 before any): new windows enter at it."""
-        return self.rule.max_priority
-
-    @property
-    def alpha(self) -> float:
-        """The priority exponent."""
-        return self.rule.alpha
-
     @recorded
     def sample(
-        self,
-        key: PRNGKeyArray,
-        batch_size: int,
-        beta: float | Float[ArrayLike, ""] = 1.0,
-        *,
-        row_blocks: int = 1,
+        self, key: PRNGKeyArray, batch_size: int, beta: Beta = 1.0, *, row_blocks: int = 1
     ) -> PrioritisedSample:
         """Draw `batch_size` windows, each with probability `P(i) = p_i**alpha / sum_k
         p_k**alpha` over the valid windows (stratified: the total is cut into `batch_size`

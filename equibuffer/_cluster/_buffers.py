@@ -22,16 +22,25 @@ from .._buffers._priorities import (
     check_alpha,
     check_beta,
     check_priority_update,
+    RulePriorities,
     update_target,
 )
 from .._buffers._samples import Sample
 from .._checks import check_positive_int, check_row_blocks, refuse_flashbax_only
-from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar, StepCount, Steps
+from .._custom_types import (
+    Beta,
+    BoolScalar,
+    ExampleTree,
+    ExperienceBatch,
+    IntScalar,
+    StepCount,
+    Steps,
+)
 from .._errors import error_if, record, recorded
 from .._protocol import AbstractPrioritisedSource, AbstractReplayBuffer
 from .._sumtree import SumTree
 from .._sumtrees import SumTrees
-from ._rules import AbstractClusterRule, PrioritisedInCluster, UniformInCluster
+from ._rules import AbstractClusterRule, ClusterRequest, PrioritisedInCluster, UniformInCluster
 from ._samples import ClusteredSample, PrioritisedClusteredSample
 from ._storage import ClusterStorage
 
@@ -498,9 +507,8 @@ class ClusteredBuffer(AbstractClusteredBuffer):
         where = "ClusteredBuffer.sample()"
         batch_size = check_positive_int(where, "batch_size", batch_size)
         blocks = self._row_blocks(where, row_blocks, batch_size)
-        cluster, slot, number = self.rule.draw(
-            self.storage, key, batch_size, self._shares(), where, blocks
-        )
+        request = ClusterRequest(key, batch_size, self._shares(), where, blocks)
+        cluster, slot, number = self.rule.draw(self.storage, request)
         return ClusteredSample(
             experience=self._gather(cluster, slot, blocks),
             indices=cluster * self.cluster_capacity + slot,
@@ -509,7 +517,9 @@ class ClusteredBuffer(AbstractClusteredBuffer):
         )
 
 
-class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSource):
+class PrioritisedClusteredBuffer(
+    AbstractClusteredBuffer, RulePriorities, AbstractPrioritisedSource
+):
     """Prioritised clustered replay: items routed to clusters as in
     [`equibuffer.ClusteredBuffer`][], drawn by cluster first, then by priority inside the
     cluster. The clusters keep the shares they are given; priorities decide which items of a
@@ -601,24 +611,9 @@ class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSou
         the buffer's batched trees (`rule.trees`, every cluster's tree in one array)."""
         return tuple(self.rule.trees.tree(c) for c in range(self.num_clusters))
 
-    @property
-    def max_priority(self) -> Float[Array, ""]:
-        """The largest priority set so far (1 before any): new items enter at it."""
-        return self.rule.max_priority
-
-    @property
-    def alpha(self) -> float:
-        """The priority exponent."""
-        return self.rule.alpha
-
     @recorded
     def sample(
-        self,
-        key: PRNGKeyArray,
-        batch_size: int,
-        beta: float | Float[ArrayLike, ""] = 1.0,
-        *,
-        row_blocks: int = 1,
+        self, key: PRNGKeyArray, batch_size: int, beta: Beta = 1.0, *, row_blocks: int = 1
     ) -> PrioritisedClusteredSample:
         """Draw `batch_size` items (with replacement, independently) by the law in the class
         docstring: a cluster by `weights` among those holding an item of positive priority,
@@ -669,9 +664,8 @@ class PrioritisedClusteredBuffer(AbstractClusteredBuffer, AbstractPrioritisedSou
         batch_size = check_positive_int(where, "batch_size", batch_size)
         exponent = check_beta(where, beta)
         blocks = self._row_blocks(where, row_blocks, batch_size)
-        drawn = self.rule.draw(
-            self.storage, key, batch_size, self._shares(), exponent, where, blocks
-        )
+        request = ClusterRequest(key, batch_size, self._shares(), where, blocks, exponent)
+        drawn = self.rule.draw(self.storage, request)
         return PrioritisedClusteredSample(
             experience=self._gather(drawn.cluster, drawn.slot, blocks),
             indices=drawn.cluster * self.cluster_capacity + drawn.slot,

@@ -49,6 +49,38 @@ def _nothing_held(where: str, blocks: int = 1) -> str:
     )
 
 
+class ClusterRequest(NamedTuple):
+    """What a clustered buffer asks of its rule's `draw`: `batch_size` items drawn with `key`,
+    clusters in proportion to `shares`; errors start with `where`; with `blocks > 1` the
+    `d`-th `batch_size / blocks` items come from block `d` of the slots; a prioritised rule
+    weights by the importance exponent `beta`."""
+
+    key: PRNGKeyArray
+    batch_size: int
+    shares: Float[Array, " clusters"]
+    where: str
+    blocks: int = 1
+    beta: Float[Array, ""] | None = None
+
+
+def _check_drawn(
+    cluster: Int[Array, "*batch"],
+    failure: Int[Array, ""],
+    beta: Float[Array, ""],
+    where: str,
+    messages: list[str],
+) -> Int[Array, "*batch"]:
+    """`cluster`, raising `messages[failure]` for `failure < 2` (0: nothing held, 1: no
+    positive priority) and a message of its own for a `beta` that is negative or not finite:
+    one check for the three ways a prioritised draw fails."""
+    return branched_error_if(
+        cluster,
+        (failure < 2) | (beta < 0) | ~jnp.isfinite(beta),
+        failure,
+        [*messages, f"{where}: `beta` must be finite and >= 0."],
+    )
+
+
 def _in_block(values: Array, cluster: Int[Array, "blocks per"]) -> Array:
     """`values[d, cluster[d, i]]` for `values` shaped `(blocks, clusters)`."""
     return jnp.take_along_axis(values, cluster, axis=1)
@@ -69,19 +101,19 @@ class UniformInCluster(AbstractClusterRule):
         return self
 
     def draw(
-        self,
-        storage: ClusterStorage,
-        key: PRNGKeyArray,
-        batch_size: int,
-        shares: Float[Array, " clusters"],
-        where: str,
-        blocks: int = 1,
+        self, storage: ClusterStorage, request: ClusterRequest
     ) -> tuple[Int[Array, " batch"], Int[Array, " batch"], Steps]:
         """`(cluster, slot, number)` of `batch_size` items: a cluster among those holding
         items by `shares`, then an item uniformly in it. With `blocks > 1` the `d`-th
         `batch_size / blocks` items are drawn so inside block `d` of the slots."""
-        if blocks > 1:
-            return self._draw_blocks(storage, key, batch_size, shares, where, blocks)
+        if request.blocks > 1:
+            return self._draw_blocks(storage, request)
+        key, batch_size, shares, where = (
+            request.key,
+            request.batch_size,
+            request.shares,
+            request.where,
+        )
         cap = storage.cluster_capacity
         w = jnp.where(storage.fill > 0, shares, 0.0)
         key_c, key_i = jax.random.split(key)
@@ -95,14 +127,9 @@ class UniformInCluster(AbstractClusterRule):
         return cluster, slot, number
 
     def _draw_blocks(
-        self,
-        storage: ClusterStorage,
-        key: PRNGKeyArray,
-        batch_size: int,
-        shares: Float[Array, " clusters"],
-        where: str,
-        blocks: int,
+        self, storage: ClusterStorage, request: ClusterRequest
     ) -> tuple[Int[Array, " batch"], Int[Array, " batch"], Steps]:
+        key, batch_size, shares, where, blocks = request[:5]
         held = storage.held_in_blocks(blocks)
         w = jnp.where(held > 0, shares[None, :], 0.0)
         key_c, key_i = jax.random.split(key)
@@ -150,22 +177,15 @@ class PrioritisedInCluster(AbstractClusterRule):
     def totals(self) -> Float[Array, " clusters"]:
         return self.trees.totals()
 
-    def draw(
-        self,
-        storage: ClusterStorage,
-        key: PRNGKeyArray,
-        batch_size: int,
-        shares: Float[Array, " clusters"],
-        beta: Float[Array, ""],
-        where: str,
-        blocks: int = 1,
-    ) -> ClusterDrawn:
+    def draw(self, storage: ClusterStorage, request: ClusterRequest) -> ClusterDrawn:
         """A cluster among those holding an item of positive priority, by `shares`; then an
         item of it in proportion to its leaf. One check for the three ways to fail. With
         `blocks > 1` the `d`-th `batch_size / blocks` items are drawn so inside block `d` of
         the slots, with that block's probabilities and weights."""
-        if blocks > 1:
-            return self._draw_blocks(storage, key, batch_size, shares, beta, where, blocks)
+        if request.blocks > 1:
+            return self._draw_blocks(storage, request)
+        key, batch_size, shares, where, _, beta = request
+        assert beta is not None  # (the prioritised clustered buffer passes its own)
         totals = self.totals()
         held = jnp.where(storage.fill > 0, shares, 0.0)
         w = jnp.where(totals > 0, held, 0.0)
@@ -176,17 +196,17 @@ class PrioritisedInCluster(AbstractClusterRule):
         slot, leaf = self.trees.search(cluster, u * totals[cluster])
         slot, leaf, totals, w = read_once(slot, leaf, totals, w)
         failure = jnp.where(jnp.sum(held) > 0, jnp.where(jnp.sum(w) > 0, 2, 1), 0)
-        cluster = branched_error_if(
+        cluster = _check_drawn(
             cluster,
-            (failure < 2) | (beta < 0) | ~jnp.isfinite(beta),
             failure,
+            beta,
+            where,
             [
                 _nothing_held(where),
                 f"{where}: every item held in the clusters of positive weight has priority 0, "
                 "so there is nothing to draw (`can_sample()` only looks at the counters). "
                 "Give some items a positive priority with `set_priorities`, or add data (new "
                 "items enter at the largest priority seen).",
-                f"{where}: `beta` must be finite and >= 0.",
             ],
         )
         within = leaf / totals[cluster]
@@ -197,16 +217,9 @@ class PrioritisedInCluster(AbstractClusterRule):
         _, number = storage.numbers(cluster, slot)
         return ClusterDrawn(cluster, slot, number, probabilities, weights)
 
-    def _draw_blocks(
-        self,
-        storage: ClusterStorage,
-        key: PRNGKeyArray,
-        batch_size: int,
-        shares: Float[Array, " clusters"],
-        beta: Float[Array, ""],
-        where: str,
-        blocks: int,
-    ) -> ClusterDrawn:
+    def _draw_blocks(self, storage: ClusterStorage, request: ClusterRequest) -> ClusterDrawn:
+        key, batch_size, shares, where, blocks, beta = request
+        assert beta is not None  # (the prioritised clustered buffer passes its own)
         # (blocks, clusters): each cluster's items and total `p ** alpha` in each block.
         items = storage.held_in_blocks(blocks)
         totals = self.trees.block_totals(blocks).T
@@ -222,10 +235,11 @@ class PrioritisedInCluster(AbstractClusterRule):
         slot, leaf, totals, w = read_once(slot, leaf, totals, w, blocks=blocks)
         every_held = jnp.all(jnp.sum(held, axis=1) > 0)
         failure = jnp.where(every_held, jnp.where(jnp.all(jnp.sum(w, axis=1) > 0), 2, 1), 0)
-        cluster = branched_error_if(
+        cluster = _check_drawn(
             cluster,
-            (failure < 2) | (beta < 0) | ~jnp.isfinite(beta),
             failure,
+            beta,
+            where,
             [
                 _nothing_held(where, blocks),
                 f"{where}: in one of the row_blocks={blocks} blocks of slots, every item held "
@@ -233,7 +247,6 @@ class PrioritisedInCluster(AbstractClusterRule):
                 "draw there. Give some of its items a positive priority with "
                 "`set_priorities`, add data (new items enter at the largest priority seen), "
                 "or sample with fewer row_blocks.",
-                f"{where}: `beta` must be finite and >= 0.",
             ],
         )
         within = leaf / _in_block(totals, cluster)

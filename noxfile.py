@@ -6,7 +6,8 @@ Every session but `tests-all` runs on the Python that runs nox (any supported on
 or 3.13), so each works on a machine with only its default Python. (On 3.11 the resolver picks
 older releases: jax 0.10, zarr 3.1, mkdocs-jupyter 0.26; the code, the docs build and pyright
 are kept working with both.) `tests-all` runs the whole suite on every supported Python (CI runs
-it); a Python that a session asks for and that is not found is an error, never a silent skip.
+it on each set of releases: .ci/run); a Python that a session asks for and that is not found is
+an error, never a silent skip.
 """
 
 import email
@@ -72,7 +73,9 @@ def slow(session: nox.Session) -> None:
 @nox.session(python=PYTHONS, name="tests-all")
 def tests_all(session: nox.Session) -> None:
     """The whole test suite on every supported Python, from the source tree; a missing one is
-    an error. (CI runs it on 3.11 and 3.13, and on 3.12 against the wheel: `nox -s package`.)"""
+    an error. (CI runs it on 3.11, leaving the stateful tests and the docs' examples to `nox
+    -s stateful` and `nox -s docs`, and on 3.12 against the wheel: `nox -s package`; on 3.13,
+    `nox -s tests`. See .ci/run.)"""
     run_tests(session)
 
 

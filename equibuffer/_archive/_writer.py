@@ -43,12 +43,14 @@ _MAX_PENDING = 2  # background writes (write_async) waiting at most: one running
 
 
 class StepsLostError(RuntimeError):
-    """Raised by `Archive.write` when the ring overwrote steps that were never written.
+    """Raised by `Archive.write` when the ring overwrote steps that were never written (with
+    `on_lost="warn"`, a [`equibuffer.StepsLostWarning`][] instead, and the steps still held are
+    written).
 
     !!! example
 
         ```python
-        import equibuffer as eb, jax.numpy as jnp, tempfile
+        import equibuffer as eb, jax.numpy as jnp, tempfile, warnings
 
         buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=4)
         with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
@@ -59,21 +61,6 @@ class StepsLostError(RuntimeError):
             except eb.StepsLostError as error:
                 lost = "2 of the 6 steps" in str(error)
             assert lost and len(archive) == 0  # nothing was written
-        ```
-    """
-
-
-class StepsLostWarning(UserWarning):
-    """Warned by `Archive.write(..., on_lost="warn")` with the number of steps lost.
-
-    !!! example
-
-        ```python
-        import equibuffer as eb, jax.numpy as jnp, tempfile, warnings
-
-        buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=4)
-        with eb.Archive(tempfile.mkdtemp() + "/run.zarr", buffer) as archive:
-            buffer = buffer.add({"x": jnp.arange(6.0)[None]})  # 6 steps into a ring of 4
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 assert archive.write(buffer, on_lost="warn") == 4  # the 4 steps still held
@@ -81,6 +68,11 @@ class StepsLostWarning(UserWarning):
             assert archive.steps_lost == 2 and archive.source_step(0) == 2
         ```
     """
+
+
+class StepsLostWarning(UserWarning):
+    """Warned by `Archive.write(..., on_lost="warn")` with the number of steps lost; the
+    example under [`equibuffer.StepsLostError`][] shows both."""
 
 
 class Plan(NamedTuple):

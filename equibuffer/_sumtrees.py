@@ -6,20 +6,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from . import _sumtree_search as search
 from ._checks import check_positive_int
-from ._sumtree import (
-    _block_runs,
-    _DEFAULT_FANOUT,
-    _DEFAULT_TOP,
-    _descend,
-    _descend_from,
-    _enter_runs,
-    _layout,
-    _levels,
-    _rows,
-    _write,
-    SumTree,
-)
+from ._sumtree import _write, SumTree
 
 
 class SumTrees(eqx.Module):
@@ -49,7 +38,11 @@ class SumTrees(eqx.Module):
     top: int = eqx.field(static=True)
 
     def __init__(
-        self, trees: int, capacity: int, fanout: int = _DEFAULT_FANOUT, top: int = _DEFAULT_TOP
+        self,
+        trees: int,
+        capacity: int,
+        fanout: int = search._DEFAULT_FANOUT,
+        top: int = search._DEFAULT_TOP,
     ):
         one = SumTree(capacity, fanout, top)  # (its arguments checked)
         trees = check_positive_int("SumTrees()", "trees", trees)
@@ -64,7 +57,7 @@ class SumTrees(eqx.Module):
     @property
     def trees(self) -> int:
         """The number of trees."""
-        return self.nodes.shape[0] // _layout(self.capacity, self.fanout, self.top)[1][-1]
+        return self.nodes.shape[0] // search._layout(self.capacity, self.fanout, self.top)[1][-1]
 
     def tree(self, t: int) -> SumTree:
         """Tree `t` as a `SumTree` (a copy of its nodes)."""
@@ -94,7 +87,7 @@ class SumTrees(eqx.Module):
         there is none)."""
         tree, leaf = indices
         nodes, trees = self._flat()
-        layout = _layout(self.capacity, self.fanout, self.top)
+        layout = search._layout(self.capacity, self.fanout, self.top)
         tree = tree.astype(jnp.int32)
         nodes = _write(nodes, layout, self.fanout, leaf, values, mask, unique_indices, tree, trees)
         return eqx.tree_at(lambda t: t.nodes, self, nodes)
@@ -104,18 +97,20 @@ class SumTrees(eqx.Module):
     ) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
         """`SumTree.search` of each `prefix[i]` in tree `tree[i]` (in `[0, totals()[tree[i]])`):
         the leaf of that tree found, and its value."""
-        sizes, offsets = _layout(self.capacity, self.fanout, self.top)
+        sizes, offsets = search._layout(self.capacity, self.fanout, self.top)
         nodes, trees = self._flat()
         # (the trees through a barrier: XLA computes them once, not in each gather's indices)
         tree, u = jax.lax.optimization_barrier((tree.astype(jnp.int32), prefix.astype(jnp.float32)))
         top = len(sizes) - 2
-        children = _rows(_levels(nodes, top, sizes, offsets, trees), tree * sizes[top], sizes[top])
-        node, before, value = _descend(children, u)
-        return _descend_from(self, top, node, u - before, value, tree)
+        children = search._rows(
+            search._levels(nodes, top, sizes, offsets, trees), tree * sizes[top], sizes[top]
+        )
+        node, before, value = search._descend(children, u)
+        return search._descend_from(self, top, node, u - before, value, tree)
 
     def block_totals(self, blocks: int) -> Float[Array, "trees blocks"]:
         """`SumTree.block_totals` of every tree."""
-        return _block_runs(self, blocks)[2][..., -1]
+        return search._block_runs(self, blocks)[2][..., -1]
 
     def search_blocks(
         self, tree: Int[Array, "blocks per_block"], prefix: Float[Array, "blocks per_block"]
@@ -125,16 +120,16 @@ class SumTrees(eqx.Module):
         query reads the run of nodes of its own tree's block (`SumTree.search_blocks`' first
         level), then descends that tree."""
         blocks, per = prefix.shape
-        level, runs, running = _block_runs(self, blocks)
+        level, runs, running = search._block_runs(self, blocks)
         width = runs.shape[-1]
         tree, u = jax.lax.optimization_barrier((tree.astype(jnp.int32), prefix.astype(jnp.float32)))
         block = jnp.arange(blocks, dtype=jnp.int32)[:, None]
         row = (tree * blocks + block).reshape(-1)  # (the tree's run of block b)
         runs, running = (x.reshape(-1, width)[row] for x in (runs, running))
-        child, before, value = _enter_runs(runs, running, u.reshape(-1, 1))
+        child, before, value = search._enter_runs(runs, running, u.reshape(-1, 1))
         node = child.reshape(blocks, per) + block * width
         remainder = jnp.maximum(u.reshape(-1) - before.reshape(-1), 0.0)
-        leaves, values = _descend_from(
+        leaves, values = search._descend_from(
             self, level, node.reshape(-1), remainder, value.reshape(-1), tree.reshape(-1)
         )
         return leaves.reshape(blocks, per), values.reshape(blocks, per)

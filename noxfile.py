@@ -73,9 +73,9 @@ def slow(session: nox.Session) -> None:
 @nox.session(python=PYTHONS, name="tests-all")
 def tests_all(session: nox.Session) -> None:
     """The whole test suite on every supported Python, from the source tree; a missing one is
-    an error. (CI runs it on 3.11, leaving the stateful tests and the docs' examples to `nox
-    -s stateful` and `nox -s docs`, and on 3.12 against the wheel: `nox -s package`; on 3.13,
-    `nox -s tests`. See .ci/run.)"""
+    an error. (CI runs it on 3.11 at the quick budgets, leaving the stateful tests and the
+    docs' examples to `nox -s stateful` and `nox -s docs`, and on 3.12 against the wheel: `nox
+    -s package`; on 3.13, `nox -s tests`. See .ci/run.)"""
     run_tests(session)
 
 

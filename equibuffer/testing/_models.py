@@ -7,7 +7,7 @@ name a window."""
 import dataclasses
 import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence, Set as AbstractSet
-from typing import Any, Literal
+from typing import Any, Literal, TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,14 @@ from jaxtyping import ArrayLike, Bool, Float, Integer, PyTree, Shaped
 
 
 _Window = tuple[int, int]  # (row, absolute start step)
-_Tree = PyTree[Shaped[np.ndarray, "..."]]
+# A tree of the steps a model holds. Checked by pyright; at run time (where the tests' import
+# hook checks every annotation) it is `Any`: the accessors returning it run for every window
+# of every sample the models check, and a check of the whole tree cost them more than the
+# work (half of a stateful session's time).
+if TYPE_CHECKING:
+    _Tree = PyTree[Shaped[np.ndarray, "..."]]
+else:
+    _Tree = Any
 
 
 def flat_index(window: tuple[int, int], length: int) -> int:

@@ -56,7 +56,6 @@ from ._models import (
 
 
 _Window = tuple[int, int]  # (row, absolute start step)
-_Tree = PyTree[Shaped[np.ndarray, "..."]]
 
 
 def _one_step(example: Any, batch: Any) -> bool:

@@ -143,7 +143,8 @@ def package(session: nox.Session) -> None:
 def stateful(session: nox.Session) -> None:
     """Every stateful test (marker `stateful`) scaled up: each one's `max_examples` times
     `EQUIBUFFER_STATEFUL_EXAMPLES`, at least 10,000 random sequences in all (the session fails
-    with fewer); prints the count per test and the total. 7.5 to 9 minutes on two shared cores."""
+    with fewer); prints the count per test and the total. About 12 minutes on two cores
+    (12,117 sequences in 12 min 21 s, Python 3.11)."""
     install(session, "tests")
     session.run(
         "pytest",

@@ -395,8 +395,22 @@ class Archive:
 
     @property
     def rows(self) -> int:
-        """The number of rows (the buffer's `add_batch_size`). This and the four properties
-        below are the archive's layout, fixed when it is created.
+        """The number of rows (the buffer's `add_batch_size`).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, zarr
+
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=3, capacity=12)
+            assert eb.Archive(zarr.storage.MemoryStore(), buffer).rows == 3
+            ```
+        """
+        return self._reader.layout.rows
+
+    @property
+    def chunk_steps(self) -> int:
+        """Time steps per chunk (of one row).
 
         !!! example
 
@@ -404,44 +418,76 @@ class Archive:
             import equibuffer as eb, jax.numpy as jnp, zarr
 
             buffer = eb.ItemBuffer({"x": jnp.zeros(1024)}, add_batch_size=1, capacity=4)
-            archive = eb.Archive(zarr.storage.MemoryStore(), buffer, compression="lz4")
-            assert archive.rows == 1 and archive.compression == "lz4"
+            archive = eb.Archive(zarr.storage.MemoryStore(), buffer)
             assert archive.chunk_steps == 32  # 4 KiB per step: 128 KiB chunks
-            assert archive.shard_steps == 4096  # 16 MiB shards
-            assert archive.block_steps * 4096 == 32 << 20  # 32 MiB blocks
-            store = zarr.storage.MemoryStore()
-            assert eb.Archive(store, buffer, chunk_steps=8, shard_steps=64).shard_steps == 64
-            assert eb.Archive(zarr.storage.MemoryStore(), buffer, shard_steps=0).shard_steps is None
-            archive.progress = False  # not a layout setting: it may be changed
-            assert not archive.progress
             ```
         """
-        return self._reader.layout.rows
-
-    @property
-    def chunk_steps(self) -> int:
-        """Time steps per chunk (of one row): the example under `rows` shows them all."""
         return self._reader.layout.chunk_steps
 
     @property
     def shard_steps(self) -> int | None:
-        """Time steps per shard (of every row), or None for one object per chunk."""
+        """Time steps per shard (of every row), or None for one object per chunk.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, zarr
+
+            buffer = eb.ItemBuffer({"x": jnp.zeros(1024)}, add_batch_size=1, capacity=4)
+            store = zarr.storage.MemoryStore()
+            assert eb.Archive(store, buffer, chunk_steps=8, shard_steps=64).shard_steps == 64
+            assert eb.Archive(zarr.storage.MemoryStore(), buffer, shard_steps=0).shard_steps is None
+            ```
+        """
         return self._reader.layout.shard_steps
 
     @property
     def block_steps(self) -> int:
-        """Time steps per block of a long read or of `iter` (about 32 MiB, whole shards)."""
+        """Time steps per block of a long read or of `iter` (about 32 MiB, whole shards).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, zarr
+
+            buffer = eb.ItemBuffer({"x": jnp.zeros(1024)}, add_batch_size=1, capacity=4)
+            archive = eb.Archive(zarr.storage.MemoryStore(), buffer)
+            assert archive.block_steps * 4096 == 32 << 20
+            ```
+        """
         return self._reader.layout.block_steps
 
     @property
     def compression(self) -> str:
-        """The compression the archive was created with (`"zstd"`, `"lz4"` or `"none"`)."""
+        """The compression the archive was created with (`"zstd"`, `"lz4"` or `"none"`).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, zarr
+
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=4)
+            archive = eb.Archive(zarr.storage.MemoryStore(), buffer, compression="lz4")
+            assert archive.compression == "lz4"
+            ```
+        """
         return self._reader.layout.compression
 
     @property
     def progress(self) -> bool:
-        """Whether long reads and writes show a progress bar (may be changed: `archive.progress
-        = False`; the example under `rows` does)."""
+        """Whether long reads and writes show a progress bar (may be changed).
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, zarr
+
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=4)
+            archive = eb.Archive(zarr.storage.MemoryStore(), buffer)
+            archive.progress = False
+            assert not archive.progress
+            ```
+        """
         return self._reader.progress.show
 
     @progress.setter

@@ -22,7 +22,6 @@ from ._sumtree_search import (
     _levels,
     _plus,
     _rows,
-    read_once as read_once,
 )
 
 
@@ -519,7 +518,7 @@ def _write(
     (each entry in its tree `tree`; None: a single tree), with every node above recomputed
     (the roots included)."""
     indices = indices.astype(jnp.int32)
-    values = _flush_subnormal(values)
+    writes = _Writes(indices, _flush_subnormal(values), mask, tree)
     if indices.shape[0] <= _IN_TURN and not BARRIER_EXPANDED:
         # On the CPU one entry after the other; elsewhere by scatters, as below (a loop over
         # the entries there would run each level's few flops as a kernel of its own). Before
@@ -529,9 +528,7 @@ def _write(
         by_level = functools.partial(
             _write_by_level, layout=layout, k=k, unique_indices=unique_indices, trees=trees
         )
-        writes = _Writes(indices, values, mask, tree)
         return jax.lax.platform_dependent(nodes, writes, cpu=in_turn, default=by_level)
-    writes = _Writes(indices, values, mask, tree)
     return _write_by_level(nodes, writes, layout, k, unique_indices, trees)
 
 

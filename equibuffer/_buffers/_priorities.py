@@ -3,7 +3,7 @@ draw by priority from a `SumTree` (probabilities, importance weights, one folded
 the write of new priorities (stale updates dropped, the largest priority seen kept)."""
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -14,7 +14,8 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 from .._custom_types import BoolScalar, Indices, Steps
 from .._errors import branched_error_if, record
 from .._ring import RingStorage
-from .._sumtree import read_once, SumTree
+from .._sumtree import SumTree
+from .._sumtree_search import read_once
 from .._windows import start_steps, window_offsets
 from ._samples import Sample
 from ._window import Drawn, Request
@@ -106,11 +107,8 @@ def draw_by_priority(
     total = jnp.min(totals)
     failure = jnp.where(total > 0, 3, jnp.where(none_valid, 2, 1))
     failure = jnp.where(~ready, 0, failure)
-    indices = branched_error_if(
-        indices,
-        (failure < 3) | (beta < 0) | ~jnp.isfinite(beta),
-        failure,
-        list(priority_messages(where, not_ready, no_window, blocks)),
+    indices = check_draw(
+        indices, failure, beta, where, priority_messages(where, not_ready, no_window, blocks)
     )
     probabilities = leaves / totals
     # (N P(i))^-beta / max_j (N P(j))^-beta, written so that it neither over- nor
@@ -203,9 +201,27 @@ def set_by_priority(
     return tree, jnp.maximum(max_priority, applied)
 
 
+def check_draw(
+    x: Int[Array, "*batch"],
+    failure: Int[Array, ""],
+    beta: Float[Array, ""],
+    where: str,
+    messages: Sequence[str],
+) -> Int[Array, "*batch"]:
+    """`x`, raising `messages[failure]` where `failure < len(messages)` (each a way a draw by
+    priority fails; `len(messages)`: it did not), and a message of its own for a `beta` that
+    is negative or not finite: one check for every way to fail."""
+    return branched_error_if(
+        x,
+        (failure < len(messages)) | (beta < 0) | ~jnp.isfinite(beta),
+        failure,
+        [*messages, f"{where}: `beta` must be finite and >= 0."],
+    )
+
+
 def priority_messages(
     where: str, not_ready: str, no_window: str, blocks: int = 1
-) -> tuple[str, str, str, str]:
+) -> tuple[str, str, str]:
     which = (
         "every valid window has priority 0"
         if blocks == 1
@@ -219,5 +235,4 @@ def priority_messages(
         "priority with `set_priorities`, or add data (new windows enter at the largest "
         "priority seen).",
         no_window,
-        f"{where}: `beta` must be finite and >= 0.",
     )

@@ -34,7 +34,8 @@ from jaxtyping import Array, Bool, Float, Int
 from .._custom_types import Indices, IntScalar, Steps
 from .._errors import branched_error_if, error_if
 from .._ring import Appended, RingStorage
-from .._sumtree import read_once, SumTree
+from .._sumtree import SumTree
+from .._sumtree_search import read_once
 from .._windows import (
     changed_offsets,
     flat_indices,

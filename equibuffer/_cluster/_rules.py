@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from .._buffers._priorities import set_by_priority
+from .._buffers._priorities import check_draw, set_by_priority
 from .._custom_types import Steps
-from .._errors import branched_error_if, error_if
-from .._sumtree import read_once
+from .._errors import error_if
+from .._sumtree_search import read_once
 from .._sumtrees import SumTrees
 from ._storage import ClusterStorage, Routed
 
@@ -63,24 +63,6 @@ class ClusterRequest(NamedTuple):
     beta: Float[Array, ""] | None = None
 
 
-def _check_drawn(
-    cluster: Int[Array, "*batch"],
-    failure: Int[Array, ""],
-    beta: Float[Array, ""],
-    where: str,
-    messages: list[str],
-) -> Int[Array, "*batch"]:
-    """`cluster`, raising `messages[failure]` for `failure < 2` (0: nothing held, 1: no
-    positive priority) and a message of its own for a `beta` that is negative or not finite:
-    one check for the three ways a prioritised draw fails."""
-    return branched_error_if(
-        cluster,
-        (failure < 2) | (beta < 0) | ~jnp.isfinite(beta),
-        failure,
-        [*messages, f"{where}: `beta` must be finite and >= 0."],
-    )
-
-
 def _in_block(values: Array, cluster: Int[Array, "blocks per"]) -> Array:
     """`values[d, cluster[d, i]]` for `values` shaped `(blocks, clusters)`."""
     return jnp.take_along_axis(values, cluster, axis=1)
@@ -108,12 +90,7 @@ class UniformInCluster(AbstractClusterRule):
         `batch_size / blocks` items are drawn so inside block `d` of the slots."""
         if request.blocks > 1:
             return self._draw_blocks(storage, request)
-        key, batch_size, shares, where = (
-            request.key,
-            request.batch_size,
-            request.shares,
-            request.where,
-        )
+        key, batch_size, shares, where, _, _ = request
         cap = storage.cluster_capacity
         w = jnp.where(storage.fill > 0, shares, 0.0)
         key_c, key_i = jax.random.split(key)
@@ -129,7 +106,7 @@ class UniformInCluster(AbstractClusterRule):
     def _draw_blocks(
         self, storage: ClusterStorage, request: ClusterRequest
     ) -> tuple[Int[Array, " batch"], Int[Array, " batch"], Steps]:
-        key, batch_size, shares, where, blocks = request[:5]
+        key, batch_size, shares, where, blocks, _ = request
         held = storage.held_in_blocks(blocks)
         w = jnp.where(held > 0, shares[None, :], 0.0)
         key_c, key_i = jax.random.split(key)
@@ -196,7 +173,7 @@ class PrioritisedInCluster(AbstractClusterRule):
         slot, leaf = self.trees.search(cluster, u * totals[cluster])
         slot, leaf, totals, w = read_once(slot, leaf, totals, w)
         failure = jnp.where(jnp.sum(held) > 0, jnp.where(jnp.sum(w) > 0, 2, 1), 0)
-        cluster = _check_drawn(
+        cluster = check_draw(
             cluster,
             failure,
             beta,
@@ -235,7 +212,7 @@ class PrioritisedInCluster(AbstractClusterRule):
         slot, leaf, totals, w = read_once(slot, leaf, totals, w, blocks=blocks)
         every_held = jnp.all(jnp.sum(held, axis=1) > 0)
         failure = jnp.where(every_held, jnp.where(jnp.all(jnp.sum(w, axis=1) > 0), 2, 1), 0)
-        cluster = _check_drawn(
+        cluster = check_draw(
             cluster,
             failure,
             beta,

@@ -2,6 +2,7 @@
 
 import functools
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec
 
@@ -27,6 +28,26 @@ def check_positive_int(where: str, name: str, value: Any) -> int:
     if value < 1:
         raise ValueError(f"{where}: `{name}` must be at least 1, got {value}.")
     return int(value)
+
+
+def check_key(where: str, key: Any) -> Any:
+    """`key` checked to be one JAX PRNG key: a typed key of shape `()` (`jax.random.key`) or a
+    raw `uint32` key (`jax.random.PRNGKey`), concrete or traced. Returns it unchanged."""
+    must = f"{where}: `key` must be one JAX PRNG key, e.g. jax.random.key(0), got"
+    if not hasattr(key, "dtype") or not hasattr(key, "shape"):
+        raise TypeError(must + f" {type(key).__name__} {key!r} (a seed is not a key).")
+    dtype, shape = key.dtype, tuple(key.shape)
+    typed = jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    raw = dtype == np.uint32 and len(shape) >= 1
+    if (typed and shape == ()) or (raw and len(shape) == 1):
+        return key  # (a raw key's length is checked by jax.random against the PRNG's)
+    if typed or raw:
+        n = math.prod(shape if typed else shape[:-1])
+        raise TypeError(
+            must + f" an array of {n} keys (shape {shape}); to draw one sample per key, "
+            "jax.vmap over the keys."
+        )
+    raise TypeError(must + f" {dtype}{list(shape)} (a seed is not a key).")
 
 
 def check_row_blocks(where: str, row_blocks: Any, sizes: dict[str, int], block: str) -> int:

@@ -12,7 +12,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree, Shaped
 
 from ._buffers._base import Sample
 from ._buffers._epochs import no_epochs
-from ._checks import check_positive_int, keystr, refuse_flashbax_only
+from ._checks import check_key, check_positive_int, keystr, refuse_flashbax_only
 from ._custom_types import Beta, BoolScalar, IntScalar
 from ._errors import recorded
 from ._protocol import AbstractPrioritisedSource, AbstractSource
@@ -273,6 +273,7 @@ class Mixer(AbstractPrioritisedSource):
             assert sample.experience["x"][:, 0].tolist() == [1.0] * 6 + [0.0] * 2
             ```
         """
+        check_key("Mixer.sample()", key)
         counts = self.counts(batch_size)
         blocks = self._row_blocks(row_blocks, batch_size, counts)
         # (a source is asked for `row_blocks` only when it is used: 1 is every source's default)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
-from ._checks import BARRIER_EXPANDED, check_positive_int
+from ._checks import BARRIER_EXPANDED, check_key, check_positive_int
 from ._errors import branched_error_if, error_if
 from ._sumtree_search import (
     _block_runs,
@@ -357,6 +357,7 @@ class SumTree(eqx.Module):
             assert (values == tree.get(leaves)).all()
             ```
         """
+        check_key("SumTree.sample()", key)
         batch_size = check_positive_int("SumTree.sample()", "batch_size", batch_size)
         u = jax.random.uniform(key, (batch_size,), jnp.float32)
         if stratified:

@@ -2,12 +2,14 @@
 `AbstractPrioritisedSource` runs, under `eqx.filter_jit`, over every buffer kind, and
 `Mixer` and `RateLimited` accept every kind they are meant to."""
 
+import re
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 
@@ -255,3 +257,70 @@ def test_every_buffer_kind_counts_steps_added_inside_jit(kind):
         buffer, inside = add_and_count(buffer, _batch(i))
         limited, inside_limited = add_and_count(limited, _batch(i))
         assert int(inside) == int(buffer.steps_added()) == int(inside_limited) == (i + 1) * T
+
+
+def _sources() -> dict[str, Callable[[], Any]]:
+    """Every kind, a `Mixer` of two and a `RateLimited` one: whatever takes a key."""
+    return {
+        **KINDS,
+        "mixer": lambda: eb.Mixer(
+            (_filled("item"), _filled("prioritised item")), proportions=(0.5, 0.5)
+        ),
+        "rate limited": lambda: eb.RateLimited(
+            _filled("transition"), samples_per_insert=4.0, tolerance=64.0
+        ),
+    }
+
+
+@pytest.fixture
+def as_users_run(monkeypatch):
+    """jaxtyping's runtime checks off, as in a user's program: the tests' import hook would
+    otherwise refuse a wrong key by its annotation before the library's own check speaks."""
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+
+
+@pytest.mark.parametrize("kind", list(_sources()))
+def test_a_seed_or_a_batch_of_keys_is_refused_with_what_to_pass(kind, as_users_run):
+    """`sample` and `epoch` take one PRNG key: a seed (eager or traced) or a batch of keys is
+    refused at once, naming the method and what to pass; `jax.random.PRNGKey`'s raw keys
+    (Flashbax's examples use them) are accepted, and a key batched by `vmap` is one key."""
+    source = _sources()[kind]()
+    keys = jax.random.split(jax.random.key(0), 3)
+    wrong = {
+        "a seed": (0, r"got int 0 \(a seed is not a key\)"),
+        "a traced seed": (jnp.int32(0), r"got int32\[\] \(a seed is not a key\)"),
+        "keys": (keys, r"got an array of 3 keys \(shape \(3,\)\); to draw one sample per key, jax"),
+        "raw keys": (
+            jax.vmap(jax.random.key_data)(keys),
+            r"got an array of 3 keys \(shape \(3, 2\)",
+        ),
+    }
+    methods = ["sample"] + (["epoch"] if kind not in ("mixer", "rate limited") else [])
+    for method in methods:
+        call = getattr(source, method)
+        jitted = eqx.filter_jit(lambda s, k, m=method: getattr(s, m)(k, 8))
+        for bad, words in wrong.values():
+            where = (
+                "Mixer.sample()" if kind == "mixer"
+                else "TransitionBuffer.sample()" if kind == "rate limited"  # the wrapped buffer's
+                else f"{type(source).__name__}.{method}()"
+            )  # fmt: skip
+            message = re.escape(where) + r": `key` must be one JAX PRNG key, e\.g\. jax\.random"
+            with pytest.raises(TypeError, match=message + r".key\(0\), " + words):
+                call(bad, 8)
+            with pytest.raises(TypeError, match=message):
+                jitted(source, bad)
+    filled = source.add(_batch(0)) if kind in KINDS else source
+    out = filled.sample(jax.random.PRNGKey(0), 8)
+    sample = out[1] if kind == "rate limited" else out
+    assert isinstance(sample, eb.MixedSample if kind == "mixer" else eb.Sample)
+    if kind in KINDS:
+        vmapped = jax.vmap(lambda k: filled.sample(k, 4).indices)(keys)
+        assert vmapped.shape == (3, 4)
+
+
+def test_sum_tree_sample_refuses_a_seed(as_users_run):
+    tree = eb.SumTree(4).set(jnp.array([1]), jnp.array([1.0]))
+    with pytest.raises(TypeError, match=r"SumTree\.sample\(\): `key` must be one JAX PRNG key"):
+        tree.sample(7, 2)
+    assert (tree.sample(jax.random.PRNGKey(0), 2) == 1).all()

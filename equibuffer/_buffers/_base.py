@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray, PyTree, Shaped
 
-from .._checks import check_positive_int, check_row_blocks, check_structure, keystr
+from .._checks import check_key, check_positive_int, check_row_blocks, check_structure, keystr
 from .._custom_types import BoolScalar, ExperienceBatch, IntScalar, StepCount
 from .._errors import branched_error_if, error_if, record, recorded
 from .._protocol import AbstractReplayBuffer
@@ -254,9 +254,12 @@ class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
             f"{self.view.needs(self.min_length_time_axis)}. Check `buffer.can_sample()` first."
         )
 
-    def _sample_arguments(self, batch_size: int, row_blocks: int) -> tuple[str, int, int]:
-        """`sample`'s name for errors, and its `batch_size` and `row_blocks` checked."""
+    def _sample_arguments(
+        self, key: PRNGKeyArray, batch_size: int, row_blocks: int
+    ) -> tuple[str, int, int]:
+        """`sample`'s name for errors, and its `key`, `batch_size` and `row_blocks` checked."""
         where = f"{type(self).__name__}.sample()"
+        check_key(where, key)
         batch_size = check_positive_int(where, "batch_size", batch_size)
         return where, batch_size, self._row_blocks(where, row_blocks, batch_size)
 
@@ -410,6 +413,7 @@ class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
             ```
         """
         where = f"{type(self).__name__}.epoch()"
+        check_key(where, key)
         batch_size = check_positive_int(where, "batch_size", batch_size)
         valid = self.rule.valid_starts(self.storage, self.window)
         epoch = plan_epoch(self.storage, valid, key, batch_size)
@@ -554,7 +558,7 @@ class AbstractUniformBuffer(AbstractBuffer):
             assert t.shape == (6, 2) and (t[:, 1] == t[:, 0] + 1).all()
             ```
         """
-        where, batch_size, blocks = self._sample_arguments(batch_size, row_blocks)
+        where, batch_size, blocks = self._sample_arguments(key, batch_size, row_blocks)
         request = Request(key, batch_size, self.can_sample(), self._not_ready(where), where, blocks)
         drawn = self.rule.draw(self.storage, self.window, request)
         experience, mask = self._experience(drawn, blocks)

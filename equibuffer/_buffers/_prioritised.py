@@ -116,7 +116,7 @@ class AbstractPrioritisedBuffer(AbstractBuffer, RulePriorities, AbstractPrioriti
             assert jnp.allclose(sample.probabilities, 0.1) and jnp.allclose(sample.weights, 1.0)
             ```
         """
-        where, batch_size, blocks = self._sample_arguments(batch_size, row_blocks)
+        where, batch_size, blocks = self._sample_arguments(key, batch_size, row_blocks)
         ready, not_ready = self.can_sample(), self._not_ready(where)
         request = Request(key, batch_size, ready, not_ready, where, blocks, check_beta(where, beta))
         drawn = self.rule.draw(self.storage, self.window, request)

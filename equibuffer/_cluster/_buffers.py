@@ -26,7 +26,7 @@ from .._buffers._priorities import (
     update_target,
 )
 from .._buffers._samples import Sample
-from .._checks import check_positive_int, check_row_blocks, refuse_flashbax_only
+from .._checks import check_key, check_positive_int, check_row_blocks, refuse_flashbax_only
 from .._custom_types import (
     Beta,
     BoolScalar,
@@ -191,6 +191,7 @@ class AbstractClusteredBuffer(AbstractReplayBuffer):
             ```
         """
         where = f"{type(self).__name__}.epoch()"
+        check_key(where, key)
         batch_size = check_positive_int(where, "batch_size", batch_size)
         cap = self.cluster_capacity
         # A cluster's ring fills from slot 0 and wraps only once full: it holds `[0, fill)`.
@@ -505,6 +506,7 @@ class ClusteredBuffer(AbstractClusteredBuffer):
             ```
         """
         where = "ClusteredBuffer.sample()"
+        check_key(where, key)
         batch_size = check_positive_int(where, "batch_size", batch_size)
         blocks = self._row_blocks(where, row_blocks, batch_size)
         request = ClusterRequest(key, batch_size, self._shares(), where, blocks)
@@ -661,6 +663,7 @@ class PrioritisedClusteredBuffer(
             ```
         """
         where = "PrioritisedClusteredBuffer.sample()"
+        check_key(where, key)
         batch_size = check_positive_int(where, "batch_size", batch_size)
         exponent = check_beta(where, beta)
         blocks = self._row_blocks(where, row_blocks, batch_size)

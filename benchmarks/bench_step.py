@@ -216,6 +216,8 @@ def main() -> None:
         row["ours w/u"] = f"{best['weighted', 'a'] / best['unweighted', 'a']:.2f}x"
         row["fbx w/u"] = f"{best['weighted', 'b'] / best['unweighted', 'b']:.2f}x"
         rows.append(row)
+        # Each size's figures as soon as they are in (a run cut short keeps what it measured).
+        print(table([row]), flush=True)
     print("\nPer step, best over the pairs; ratios Flashbax / ours (target >= 1.0):\n")
     print(table(rows))
     if len(rows) > 1:

@@ -35,7 +35,8 @@ def check_key(where: str, key: Any) -> Any:
     raw `uint32` key (`jax.random.PRNGKey`), concrete or traced. Returns it unchanged."""
     must = f"{where}: `key` must be one JAX PRNG key, e.g. jax.random.key(0), got"
     if not hasattr(key, "dtype") or not hasattr(key, "shape"):
-        raise TypeError(must + f" {type(key).__name__} {key!r} (a seed is not a key).")
+        got = "None" if key is None else f"{type(key).__name__} {key!r}"
+        raise TypeError(must + f" {got} (a seed is not a key).")
     dtype, shape = key.dtype, tuple(key.shape)
     typed = jnp.issubdtype(dtype, jax.dtypes.prng_key)
     raw = dtype == np.uint32 and len(shape) >= 1

@@ -306,7 +306,7 @@ def test_a_seed_or_a_batch_of_keys_is_refused_with_what_to_pass(kind, as_users_r
                 else f"{type(source).__name__}.{method}()"
             )  # fmt: skip
             message = re.escape(where) + r": `key` must be one JAX PRNG key, e\.g\. jax\.random"
-            with pytest.raises(TypeError, match=message + r".key\(0\), " + words):
+            with pytest.raises(TypeError, match=message + r"\.key\(0\), " + words):
                 call(bad, 8)
             with pytest.raises(TypeError, match=message):
                 jitted(source, bad)

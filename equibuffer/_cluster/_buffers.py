@@ -130,6 +130,15 @@ class AbstractClusteredBuffer(AbstractReplayBuffer):
         """The number of items each cluster holds."""
         return self.storage.cluster_capacity
 
+    def _sample_arguments(
+        self, key: PRNGKeyArray, batch_size: int, row_blocks: int
+    ) -> tuple[str, int, int]:
+        """`sample`'s name for errors, and its `key`, `batch_size` and `row_blocks` checked."""
+        where = f"{type(self).__name__}.sample()"
+        check_key(where, key)
+        batch_size = check_positive_int(where, "batch_size", batch_size)
+        return where, batch_size, self._row_blocks(where, row_blocks, batch_size)
+
     def _row_blocks(self, where: str, row_blocks: int, batch_size: int) -> int:
         """`row_blocks` checked: a positive int dividing `cluster_capacity` and
         `batch_size`."""
@@ -505,10 +514,7 @@ class ClusteredBuffer(AbstractClusteredBuffer):
             assert sample.experience["x"].shape == (16,) and (sample.experience["x"] > 0).all()
             ```
         """
-        where = "ClusteredBuffer.sample()"
-        check_key(where, key)
-        batch_size = check_positive_int(where, "batch_size", batch_size)
-        blocks = self._row_blocks(where, row_blocks, batch_size)
+        where, batch_size, blocks = self._sample_arguments(key, batch_size, row_blocks)
         request = ClusterRequest(key, batch_size, self._shares(), where, blocks)
         cluster, slot, number = self.rule.draw(self.storage, request)
         return ClusteredSample(
@@ -662,11 +668,8 @@ class PrioritisedClusteredBuffer(
             assert jnp.allclose(sample.probabilities, p) and jnp.allclose(sample.weights, 1.0)
             ```
         """
-        where = "PrioritisedClusteredBuffer.sample()"
-        check_key(where, key)
-        batch_size = check_positive_int(where, "batch_size", batch_size)
+        where, batch_size, blocks = self._sample_arguments(key, batch_size, row_blocks)
         exponent = check_beta(where, beta)
-        blocks = self._row_blocks(where, row_blocks, batch_size)
         request = ClusterRequest(key, batch_size, self._shares(), where, blocks, exponent)
         drawn = self.rule.draw(self.storage, request)
         return PrioritisedClusteredSample(

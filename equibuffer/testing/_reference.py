@@ -55,9 +55,6 @@ from ._models import (
 )
 
 
-_Window = tuple[int, int]  # (row, absolute start step)
-
-
 def _one_step(example: Any, batch: Any) -> bool:
     """Whether `batch` is the one-step form `(rows, *leaf)` of a tree like `example`."""
     leaf, want = jax.tree.leaves(batch)[0], jax.tree.leaves(example)[0]

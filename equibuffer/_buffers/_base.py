@@ -97,7 +97,25 @@ class AbstractRingHolder(eqx.Module):
         [`equibuffer.Queue.with_storage`][])."""
 
 
-class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
+class AbstractRowBlocked(eqx.Module):
+    """Anything whose `sample` draws by blocks of rows (`row_blocks`): the ring buffers and
+    the clustered ones check `sample`'s arguments the same way."""
+
+    @abc.abstractmethod
+    def _row_blocks(self, where: str, row_blocks: int, batch_size: int) -> int:
+        """`row_blocks` checked against what the buffer splits into blocks."""
+
+    def _sample_arguments(
+        self, key: PRNGKeyArray, batch_size: int, row_blocks: int
+    ) -> tuple[str, int, int]:
+        """`sample`'s name for errors, and its `key`, `batch_size` and `row_blocks` checked."""
+        where = f"{type(self).__name__}.sample()"
+        check_key(where, key)
+        batch_size = check_positive_int(where, "batch_size", batch_size)
+        return where, batch_size, self._row_blocks(where, row_blocks, batch_size)
+
+
+class AbstractBuffer(AbstractRingHolder, AbstractRowBlocked, AbstractReplayBuffer):
     """The interface every ring buffer shares: a [`equibuffer.RingStorage`][] plus a rule
     saying which windows of `sequence_length` steps may be sampled. Every ring buffer is an
     [`equibuffer.AbstractReplayBuffer`][] (a `Mixer` source, wrapped by `RateLimited`).
@@ -253,15 +271,6 @@ class AbstractBuffer(AbstractRingHolder, AbstractReplayBuffer):
             f"{where}: the buffer cannot be sampled yet: it needs "
             f"{self.view.needs(self.min_length_time_axis)}. Check `buffer.can_sample()` first."
         )
-
-    def _sample_arguments(
-        self, key: PRNGKeyArray, batch_size: int, row_blocks: int
-    ) -> tuple[str, int, int]:
-        """`sample`'s name for errors, and its `key`, `batch_size` and `row_blocks` checked."""
-        where = f"{type(self).__name__}.sample()"
-        check_key(where, key)
-        batch_size = check_positive_int(where, "batch_size", batch_size)
-        return where, batch_size, self._row_blocks(where, row_blocks, batch_size)
 
     def _row_blocks(self, where: str, row_blocks: int, batch_size: int) -> int:
         """`row_blocks` checked: a positive int dividing the rows and `batch_size`."""

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
+from .._buffers._base import AbstractRowBlocked
 from .._buffers._epochs import check_epoch, Epoch, epoch_batch_windows, shuffle_valid
 from .._buffers._priorities import (
     check_alpha,
@@ -82,7 +83,7 @@ def _configure(
     return storage, weights
 
 
-class AbstractClusteredBuffer(AbstractReplayBuffer):
+class AbstractClusteredBuffer(AbstractRowBlocked, AbstractReplayBuffer):
     """A buffer of items split into `num_clusters` clusters (as in dejax's clustered
     replay): `add` routes every item to the cluster `cluster_fn(item)` names (e.g. high vs
     low return), each cluster a ring of `cluster_capacity` items that overwrites its own
@@ -129,15 +130,6 @@ class AbstractClusteredBuffer(AbstractReplayBuffer):
     def cluster_capacity(self) -> int:
         """The number of items each cluster holds."""
         return self.storage.cluster_capacity
-
-    def _sample_arguments(
-        self, key: PRNGKeyArray, batch_size: int, row_blocks: int
-    ) -> tuple[str, int, int]:
-        """`sample`'s name for errors, and its `key`, `batch_size` and `row_blocks` checked."""
-        where = f"{type(self).__name__}.sample()"
-        check_key(where, key)
-        batch_size = check_positive_int(where, "batch_size", batch_size)
-        return where, batch_size, self._row_blocks(where, row_blocks, batch_size)
 
     def _row_blocks(self, where: str, row_blocks: int, batch_size: int) -> int:
         """`row_blocks` checked: a positive int dividing `cluster_capacity` and

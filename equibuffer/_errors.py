@@ -41,7 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
+from jax.experimental import checkify
 from jaxtyping import ArrayLike, PyTree
+
+from ._carried import FORMAT, report
 
 
 # The pieces of Equinox and JAX that make a runtime error read as `eqx.error_if`'s: where they
@@ -223,7 +226,11 @@ def recorded(method: _Method) -> _Method:
             words = _COLLECTED.get()
         finally:
             _COLLECTED.reset(token)
-        return _attach(out, _fold(words)) if words else out
+        if not words:
+            return out
+        word = _fold(words)
+        surface(word)
+        return _attach(out, word)
 
     return wrapper  # pyright: ignore[reportReturnType]
 
@@ -256,17 +263,13 @@ def _fold(words: list[jax.Array]) -> jax.Array:
 
 
 def _attach(out: Any, word: jax.Array) -> Any:
-    from ._buffers._samples import Sample  # (imports this module)
-
-    first, kept = [True], [False]
+    """`out` with failure `word` recorded in every buffer and sample it holds (a sample's
+    floating leaves are then NaN, so that a loss computed from it shows the failure)."""
+    kept = [False]
 
     def put(x: Any) -> Any:
         if not _carries(x):
             return x
-        if not isinstance(x, Sample):  # a storage: the first one of the output carries it
-            if not first[0]:
-                return x
-            first[0] = False
         kept[0] = True
         return x.with_error(word)
 
@@ -276,13 +279,62 @@ def _attach(out: Any, word: jax.Array) -> Any:
     return out
 
 
-def raise_recorded(code: int) -> None:
-    """Raise the failure of recorded word `code` (a Python int), if any."""
+def poisoned(tree: PyTree, word: jax.Array) -> PyTree:
+    """`tree` with every floating leaf NaN where failure `word` is recorded (nonzero): what a
+    sample drawn from a state that cannot be sampled holds, as Equinox's `EQX_ON_ERROR=nan`
+    makes of a failed check's output."""
+
+    def nan(x: Any) -> Any:
+        if eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.where(word != 0, jnp.array(jnp.nan, x.dtype), x)
+        return x
+
+    return jax.tree.map(nan, tree)
+
+
+# ------------------------------------------------------------- failures under `filter_jit`
+
+
+def surface(word: jax.Array) -> None:
+    """Report recorded failure `word` (a 0-d `uint32`, unbatched) to the checked step around
+    the call being traced ([`equibuffer.filter_jit`][]), wherever it is traced: inside loop
+    bodies, branches, `vmap` and `shard_map`, whether or not the step returns what carries it.
+    Outside a checked step this is nothing at all (see `_carried`)."""
+    report(word)
+
+
+def _raise_checked(error: Any, output: Any) -> None:
+    """Raise the failure that the checked call's `checkify` error holds (read on the host,
+    one copy), with `output` (what the call returned) as the exception's `output`."""
+    error = jax.device_get(error)
+    exc = error.get_exception()
+    if exc is None:
+        return
+    mapping = getattr(exc, "error_mapping", None)  # under shard_map: one error per device
+    if mapping:
+        exc = next(iter(mapping.values()))
+    try:
+        if getattr(exc, "fmt_string", None) == FORMAT:
+            raise_recorded(int(np.max(np.asarray(exc.args[0]))), checked=True)
+        raise checkify.JaxRuntimeError(str(exc))  # a user's own `checkify.check`
+    except Exception as failure:
+        failure.output = output  # pyright: ignore[reportAttributeAccessIssue]
+        raise failure from None
+
+
+def raise_recorded(code: int, *, checked: bool = False) -> None:
+    """Raise the failure of recorded word `code` (a Python int), if any: one found by the
+    checked step around the call (`checked`), or one recorded in a buffer or sample."""
     if code:
         msg = _MESSAGES[code] if code < len(_MESSAGES) else f"(failure {code} of another process)"
+        how = (
+            "Raised when the checked step (`eb.filter_jit`) returned; `error.output` holds "
+            "what it returned"
+            if checked
+            else "Recorded inside a jitted call and raised at the first use outside jit"
+        )
         raise eqx.EquinoxRuntimeError(
-            f"{msg}\n\n(Recorded inside a jitted call and raised at the first use outside "
-            "jit; run with EQX_ON_ERROR=raise to raise inside the call that failed.)"
+            f"{msg}\n\n({how}; run with EQX_ON_ERROR=raise to raise inside the call that failed.)"
         )
 
 
@@ -342,14 +394,27 @@ def check(tree: PyTree[Any], *, traced_ok: bool = False) -> None:
 
 
 def filter_jit(fun: Callable[..., Any] | None = None, *, donate: str = "none") -> Any:
-    """`equinox.filter_jit`, and [`equibuffer.check`][] on every call's output: a checked
-    training step, in which every failure recorded by a buffer or sample that the step
-    returns is raised when the call returns.
+    """`equinox.filter_jit`, checked: every failure recorded by a check anywhere in the step
+    is raised when the call returns, with the check's own message.
 
-    This makes the host wait for the device once per call (to read the recorded words), and
-    never inside it. For a step that runs many iterations per call (a `lax.scan` or
-    `fori_loop` over environment steps) that is once per many steps. Use `eqx.filter_jit`
-    instead and call [`equibuffer.check`][] yourself when you log, for no wait at all.
+    Everywhere means at the top level of the step and inside the bodies of `lax.scan`,
+    `fori_loop` and `while_loop`, the branches of `lax.cond` and `lax.switch`, under `vmap`
+    and `shard_map`, and in samples, epochs and buffers whether or not the step returns them
+    (a sample that only feeds the loss included). The failures are carried out of the step
+    as values (`jax.experimental.checkify` carries this library's checks as it carries its
+    own), so the compiled program holds no host callback, and the host reads one small value
+    per call, after it. A step that runs many iterations per call (a `lax.scan` over
+    environment steps) pays that read once per call.
+
+    The exception is an `equinox.EquinoxRuntimeError` (for a `checkify.check` of your own in
+    the step, `checkify`'s own error), and its `output` attribute holds what the call
+    returned: a refused operation (an add over unread `Queue` steps, a NaN priority, ...)
+    changed no data, so under `donate="all"`, where the arguments are gone, every step is
+    still there, the failure recorded in the buffers that carry it. Plain `jax.jit` and
+    `eqx.filter_jit` record failures without raising: see [`equibuffer.check`][] and
+    [Troubleshooting](../troubleshooting.md).
+
+    With `EQX_ON_ERROR=off` this is `equinox.filter_jit` itself: no check at all.
 
     **Arguments:**
 
@@ -360,7 +425,8 @@ def filter_jit(fun: Callable[..., Any] | None = None, *, donate: str = "none") -
 
     **Returns:**
 
-    The compiled, checked function.
+    The compiled, checked function, with `equinox.filter_jit`'s interface (`.lower(...)` for
+    the compiled program, which returns the carried failure beside the step's output).
 
     !!! example
 
@@ -370,21 +436,64 @@ def filter_jit(fun: Callable[..., Any] | None = None, *, donate: str = "none") -
         @eb.filter_jit(donate="all")
         def step(buffer, key):
             buffer = buffer.add({"x": jnp.ones((1, 2))})
-            return buffer, buffer.sample(key, 4)
+            loss = jnp.mean(buffer.sample(key, 4).experience["x"])  # the sample is not returned
+            return buffer, loss
 
         buffer = eb.ItemBuffer({"x": jnp.zeros(2)}, add_batch_size=1, capacity=8)
-        buffer, sample = step(buffer, jax.random.key(0))  # checked: nothing failed
-        assert sample.experience["x"].shape == (4, 2)
+        buffer, loss = step(buffer, jax.random.key(0))  # checked: nothing failed
+        assert float(loss) == 1.0
+
+        @eb.filter_jit
+        def too_early(buffer, key):
+            return jnp.mean(buffer.sample(key, 4).experience["x"])
+
+        empty = eb.ItemBuffer({"x": jnp.zeros(2)}, add_batch_size=1, capacity=8)
+        try:
+            too_early(empty, jax.random.key(0))
+        except eqx.EquinoxRuntimeError as error:
+            assert "cannot be sampled yet" in str(error)
+            assert jnp.isnan(error.output)  # what the call returned: the loss of a failed draw
+        else:
+            raise AssertionError("not raised")
         ```
     """
     if fun is None:
         return functools.partial(filter_jit, donate=donate)
-    jitted = eqx.filter_jit(fun, donate=donate)  # pyright: ignore[reportArgumentType]
+    if MODE == "off":
+        return eqx.filter_jit(fun, donate=donate)  # pyright: ignore[reportArgumentType]
+
+    @functools.wraps(fun)
+    def carried(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
+        returned: list[Any] = []
+
+        def arrays_only(dynamic: Any) -> Any:
+            args, kwargs = eqx.combine(dynamic, static)
+            out_dynamic, out_static = eqx.partition(fun(*args, **kwargs), eqx.is_array)
+            returned.append(out_static)
+            return out_dynamic
+
+        error, out = checkify.checkify(arrays_only, errors=checkify.user_checks)(dynamic)
+        return error, eqx.combine(out, returned[0])
+
+    jitted = eqx.filter_jit(carried, donate=donate)  # pyright: ignore[reportArgumentType]
 
     @functools.wraps(fun)
     def checked(*args: Any, **kwargs: Any) -> Any:
-        out = jitted(*args, **kwargs)
-        check(out)
+        error, out = jitted(*args, **kwargs)
+        if _traced(*jax.tree.leaves(error)):  # called inside another trace: passed outwards
+            _pass_on(error)
+        else:
+            _raise_checked(error, out)
         return out
 
+    checked.lower = jitted.lower  # pyright: ignore[reportFunctionMemberAccess]
     return checked
+
+
+def _pass_on(error: Any) -> None:
+    """Hand a checked step's carried failure to the trace it is called in (to a checked step
+    around it; nothing under plain `jit`)."""
+    _check_error = getattr(importlib.import_module("jax._src.checkify"), "_check_error", None)
+    if _check_error is not None:
+        _check_error(error, debug=True)

@@ -8,13 +8,13 @@ from typing import Any, NoReturn
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree, Shaped
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree, Shaped, UInt32
 
 from ._buffers._base import Sample
 from ._buffers._epochs import no_epochs
 from ._checks import check_key, check_positive_int, keystr, refuse_flashbax_only
 from ._custom_types import Beta, BoolScalar, IntScalar
-from ._errors import recorded
+from ._errors import poisoned, recorded
 from ._protocol import AbstractPrioritisedSource, AbstractSource
 
 
@@ -56,6 +56,24 @@ class MixedSample(eqx.Module):
     weights: Float[Array, " batch"]
     samples: tuple["Sample | MixedSample | None", ...]
     row_blocks: int = eqx.field(static=True, default=1)
+
+    @property
+    def error(self) -> UInt32[Array, ""]:
+        """The failure recorded while drawing it inside jit (0-d uint32, 0 for none): the
+        first among its sources' samples."""
+        words = [s.error for s in self.samples if s is not None]
+        word = words[0]
+        for w in words[1:]:
+            word = jnp.where(word != 0, word, w)
+        return word
+
+    def with_error(self, word: UInt32[Array, ""]) -> "MixedSample":
+        """The sample with failure `word` recorded in every source's sample, and its
+        floating leaves NaN when a failure is recorded (see [`equibuffer.Sample`][])."""
+        samples = tuple(None if s is None else s.with_error(word) for s in self.samples)
+        word = jnp.where(self.error != 0, self.error, word)
+        mixed = poisoned((self.experience, self.weights), word)
+        return eqx.tree_at(lambda m: (m.experience, m.weights, m.samples), self, (*mixed, samples))
 
 
 def largest_remainder(proportions: Sequence[float], batch_size: int) -> tuple[int, ...]:

@@ -353,6 +353,10 @@ class Mixer(AbstractPrioritisedSource):
                 f"Mixer.set_priorities(): `priorities` has shape {priorities.shape}, expected "
                 f"({batch},), one per row of the sample."
             )
+        # One bad priority (or a failed sample) refuses the whole update, in every source: each
+        # then gets NaN priorities, which it refuses with the message of a bad priority.
+        bad = jnp.any((priorities < 0) | ~jnp.isfinite(priorities)) | (sample.error != 0)
+        priorities = jnp.where(bad, jnp.nan, priorities.astype(jnp.float32))
         buffers = list(self.buffers)
         # Source i's rows: one run per block of the mix (one block unless `row_blocks > 1`).
         blocks = sample.row_blocks

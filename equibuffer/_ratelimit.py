@@ -6,9 +6,10 @@ import math
 from typing import Any, NoReturn
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from ._buffers._base import Sample
 from ._buffers._epochs import no_epochs
@@ -44,6 +45,21 @@ def _check_number(where: str, name: str, value: Any, positive: bool) -> float:
     if value > _LIMIT:
         raise ValueError(f"{where}: `{name}` must be at most 2**28, got {value}.")
     return value
+
+
+def add_unless(
+    buffer: AbstractReplayBuffer, batch: ExperienceBatch, refused: Bool[Array, ""]
+) -> AbstractReplayBuffer:
+    """`buffer.add(batch)` where the 0-d bool `refused` is false, and `buffer` as it was
+    where it is true: in place for the library's buffers (their `_add`); for a buffer of
+    your own, by a choice of every leaf (a pass over the buffer)."""
+    own = getattr(buffer, "_add", None)
+    if own is not None:
+        return own(batch, refused)
+    added = buffer.add(batch)
+    old, new = eqx.filter(buffer, eqx.is_array), eqx.filter(added, eqx.is_array)
+    chosen = jax.tree.map(lambda o, n: jnp.where(refused, o, n), old, new)
+    return eqx.combine(chosen, added)
 
 
 class RateLimited(eqx.Module):
@@ -100,8 +116,9 @@ class RateLimited(eqx.Module):
     float32 rounding (a relative error of about 1e-7 on the ratio; none at all for dyadic
     values such as 0.25 or 1.5). `add` and `sample` never refuse: the limiter advises, the loop
     decides. A loop that ignores the advice moves the credit without bound; `add` and `sample`
-    raise (inside jit: recorded, raised by [`equibuffer.check`][]) before its whole part would leave
-    `[-2**30, 2**30]`, instead of overflowing. A loop that follows the limiter never gets near
+    raise (inside jit: recorded, raised by [`equibuffer.check`][] or [`equibuffer.filter_jit`][])
+    before its whole part would leave `[-2**30, 2**30]`, instead of overflowing, and change
+    nothing then. A loop that follows the limiter never gets near
     that bound: `tolerance`, `spi * add_batch_size * T` and `batch_size` are each limited to
     2**28.
 
@@ -327,9 +344,11 @@ class RateLimited(eqx.Module):
 
         **Returns:**
 
-        The updated limiter (an add is never refused: check `can_add(T)` first). Fails
-        (inside jit: recorded, raised by [`equibuffer.check`][]) if the credit would pass
-        2**30, which only a loop that keeps adding without sampling reaches.
+        The updated limiter (the limiter advises and never refuses an add: check
+        `can_add(T)` first). Fails (inside jit: recorded, raised by [`equibuffer.check`][] or
+        [`equibuffer.filter_jit`][]) if the credit would pass 2**30, which only a loop that
+        keeps adding without sampling reaches: that add is refused, and the buffer and the
+        credit stay as they were.
 
         !!! example
 
@@ -346,23 +365,33 @@ class RateLimited(eqx.Module):
             assert float(limited.credit()) == 2.0 and int(limited.buffer.size()) == 6
             ```
         """
+        return self._add(batch)
+
+    def _add(self, batch: ExperienceBatch, refused: Any = None) -> "RateLimited":
+        """`add`, also refused where the 0-d bool `refused` is true (a wrapper's check)."""
         where = f"{type(self).__name__}.add()"
         t = self.buffer.steps_in(batch, where)
         t = 1 if t is None else t
         whole, fraction = _split(self._increment(where, t))
-        buffer = self.buffer.add(batch)
-        counted = buffer.can_sample()
+        # Whether the buffer can be sampled after the add, from the counters alone: the
+        # add itself is made once the credit is known to allow it (XLA drops the rest).
+        counted = self.buffer.add(batch).can_sample()
         total = self.credit_fraction + jnp.where(counted, fraction, np.float32(0))
         carry = total >= 1
         new_fraction = jnp.where(carry, total - np.float32(1), total)
         new_whole = self.credit_whole + jnp.where(counted, whole, 0) + carry.astype(jnp.int32)
+        over = new_whole > _GUARD
         new_whole = error_if(
             new_whole,
-            new_whole > _GUARD,
+            over,
             f"{where}: the rate limiter's credit passed 2**30 windows: the loop keeps adding "
             "far more than samples_per_insert asks it to sample. Add only when `can_add()` is "
             "true (or sample more).",
         )
+        refused = over if refused is None else over | refused
+        buffer = add_unless(self.buffer, batch, refused)
+        new_whole = jnp.where(refused, self.credit_whole, new_whole)
+        new_fraction = jnp.where(refused, self.credit_fraction, new_fraction)
         return eqx.tree_at(
             lambda r: (r.buffer, r.credit_whole, r.credit_fraction),
             self,
@@ -393,8 +422,9 @@ class RateLimited(eqx.Module):
         `(limited, sample)`: the limiter with the new credit, and what the buffer's `sample`
         returns. A sample is never refused by the limiter (check `can_sample(batch_size)`
         first); the buffer fails as usual when it cannot be sampled at all. Fails (inside jit:
-        recorded, raised by [`equibuffer.check`][]) if the credit would fall below -2**30,
-        which only a loop that keeps sampling without adding reaches.
+        recorded, raised by [`equibuffer.check`][] or [`equibuffer.filter_jit`][]) if the
+        credit would fall below -2**30, which only a loop that keeps sampling without adding
+        reaches: the credit then stays as it was and the sample's floating leaves are NaN.
 
         !!! example
 
@@ -412,9 +442,10 @@ class RateLimited(eqx.Module):
         where = f"{type(self).__name__}.sample()"
         batch_size = self._batch_size(where, batch_size)
         sample = self.buffer.sample(key, batch_size, row_blocks=row_blocks, **kwargs)
+        under = self.credit_whole - batch_size < -_GUARD
         new_whole = error_if(
-            self.credit_whole - batch_size,
-            self.credit_whole - batch_size < -_GUARD,
+            jnp.where(under, self.credit_whole, self.credit_whole - batch_size),
+            under,
             f"{where}: the rate limiter's credit fell below -2**30 windows: the loop keeps "
             "sampling far more than samples_per_insert allows. Sample only when "
             "`can_sample(batch_size)` is true (or add more).",

@@ -6,7 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from equinox.internal import unvmap_all
-from jaxtyping import Array, Int, PyTree, Shaped, UInt32
+from jaxtyping import Array, ArrayLike, Bool, Int, PyTree, Shaped, UInt32
 
 from ._checks import (
     as_example_leaf,
@@ -30,11 +30,14 @@ class Appended(NamedTuple):
     - `start`: the slot of the first of them (0-d int32); they fill slots
         `start, start + 1, ...` modulo `length`.
     - `steps`: the kept steps, leaves `(rows, keep, *leaf)`.
+    - `refused`: whether a check refused the add (0-d bool, or `False`): the storage is then
+        as it was, `steps` what the slots held, and a rule keeps its state as it was too.
     """
 
     keep: int
     start: Int[Array, ""]
     steps: ExperienceBatch
+    refused: Bool[ArrayLike, ""] = False
 
 
 class RingStorage(eqx.Module):
@@ -266,10 +269,22 @@ class RingStorage(eqx.Module):
         return self.append(batch, where)[0]
 
     def append(
-        self, batch: ExperienceBatch, where: str = "add()"
+        self,
+        batch: ExperienceBatch,
+        where: str = "add()",
+        *,
+        refused: Bool[ArrayLike, ""] | None = None,
     ) -> tuple["RingStorage", Appended]:
         """`write`, also returning what the sampling rules need to keep in step: the
         [`equibuffer.RingStorage`][]'s one add path (the batch is checked once, here).
+
+        **Arguments:**
+
+        - `batch`, `where`: as for `write`.
+        - `refused`: a 0-d bool, for an add that a check refused (a full `Queue`, ...):
+            where true nothing changes, neither a stored step nor a counter, and the
+            appended steps are those the slots already held (so a rule that rewrites its
+            state from them leaves it as it was). At the cost of reading the slots written.
 
         **Returns:**
 
@@ -297,6 +312,13 @@ class RingStorage(eqx.Module):
         start = (self.head + (t - keep)) % length
 
         batch = jax.tree.map(lambda x: jnp.asarray(x)[:, t - keep :], batch)
+        if refused is not None:
+            slots = (start + jnp.arange(keep, dtype=jnp.int32)) % length
+            batch = jax.tree.map(
+                lambda x, stored: jnp.where(refused, jnp.take(stored, slots, axis=1), x),
+                batch,
+                self.data,
+            )
 
         def contiguous(data: Any, new: Any) -> Any:
             def put(stored: Array, x: Array) -> Array:
@@ -339,8 +361,11 @@ class RingStorage(eqx.Module):
         counters = jnp.stack(
             [head.astype(jnp.uint32), fill.astype(jnp.uint32), lo, hi, self.counters[4]]
         )
+        if refused is not None:
+            counters = jnp.where(refused, self.counters, counters)
         storage = eqx.tree_at(lambda s: (s.data, s.counters), self, (data, counters))
-        return storage, Appended(keep, start.astype(jnp.int32), batch)
+        refusal = False if refused is None else jnp.asarray(refused)
+        return storage, Appended(keep, start.astype(jnp.int32), batch, refusal)
 
     def count_mod(self, modulus: int) -> IntScalar:
         """`steps_added mod modulus` (exact for any count, computed in 32-bit words).

@@ -217,9 +217,10 @@ class SumTree(eqx.Module):
                 f"{indices.shape}; give one value per index."
             )
         new = new.astype(jnp.float32)
+        bad = jnp.any(_out_of_range(indices, self.capacity) | _not_priorities(new))
         new = branched_error_if(
             new,
-            _out_of_range(indices, self.capacity) | _not_priorities(new),
+            bad,
             jnp.where(_out_of_range(indices, self.capacity), 0, 1),
             [
                 _index_message(where, self),
@@ -227,7 +228,9 @@ class SumTree(eqx.Module):
                 "infinite priority was given).",
             ],
         )
-        return self.write(indices, new)
+        # Refused (recorded inside a buffer's method): no leaf changes.
+        safe = jnp.where(bad, 0, indices)
+        return self.write(safe, new, mask=jnp.broadcast_to(~bad, new.shape))
 
     def write(
         self,

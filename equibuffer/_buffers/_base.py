@@ -186,7 +186,13 @@ class AbstractBuffer(AbstractRingHolder, AbstractRowBlocked, AbstractReplayBuffe
             assert int(buffer.size()) == 8 == buffer.capacity
             ```
         """
-        storage, appended = self.storage.append(batch, f"{type(self).__name__}.add()")
+        return self._add(batch)
+
+    def _add(self: _Buffer, batch: ExperienceBatch, refused: Any = None) -> _Buffer:
+        """`add`, refused where the 0-d bool `refused` is true (by a wrapper's check, as
+        `RateLimited`'s): nothing changes then, in the ring or in the rule's state."""
+        where = f"{type(self).__name__}.add()"
+        storage, appended = self.storage.append(batch, where, refused=refused)
         return self._with(storage, self.rule.added(storage, appended, self.window))
 
     def num_windows(self) -> IntScalar:

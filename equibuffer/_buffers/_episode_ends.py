@@ -88,6 +88,8 @@ class EpisodeEnds(eqx.Module):
         """The flags with those of the steps just written."""
         slots = (appended.start + jnp.arange(appended.keep, dtype=jnp.int32)) % storage.length
         new = self.of(appended.steps)
+        if appended.refused is not False:  # (a refused add: the flags as they were)
+            new = jnp.where(appended.refused, self.ends[:, slots], new)
         ends = self.ends.at[:, slots].set(new, unique_indices=True, mode="promise_in_bounds")
         return eqx.tree_at(lambda e: e.ends, self, ends)
 

@@ -122,9 +122,10 @@ def draw_by_priority(
 
 def update_target(
     where: str, sample: Sample | Int[ArrayLike, " batch"], steps: Steps | None
-) -> tuple[Int[ArrayLike, " batch"], Steps]:
+) -> tuple[Int[ArrayLike, " batch"], Steps, Bool[ArrayLike, ""]]:
     """The `(indices, steps)` a `set_priorities(sample, priorities, steps=...)` call names:
-    those of the sample, or the indices given with `steps=`."""
+    those of the sample, or the indices given with `steps=`; and whether the sample holds a
+    recorded failure (its windows are then not what was asked for: the update is refused)."""
     if isinstance(sample, Sample):
         if steps is not None:
             raise TypeError(
@@ -132,14 +133,14 @@ def update_target(
                 "indices with `steps=`."
             )
         record(sample.error)  # a failure recorded while drawing it goes on to the buffer
-        return sample.indices, sample.steps
+        return sample.indices, sample.steps, sample.error != 0
     if steps is None:
         raise TypeError(
             f"{where}: pass the whole sample (`buffer.set_priorities(sample, "
             "priorities)`) or the indices with `steps=sample.steps`: the steps tell "
             "which windows were overwritten since they were sampled."
         )
-    return sample, steps
+    return sample, steps, False
 
 
 def check_priority_update(
@@ -149,10 +150,13 @@ def check_priority_update(
     steps: Steps,
     priorities: Float[ArrayLike, " batch"],
     bound: str = "add_batch_size * max_length_time_axis",
-) -> tuple[Indices, Steps, Float[Array, " batch"]]:
+    failed: Bool[ArrayLike, ""] = False,
+) -> tuple[Indices, Steps, Float[Array, " batch"], Bool[Array, ""]]:
     """The arguments of `set_priorities`, checked: shapes and dtypes at trace time, values
     (indices in range `[0, capacity)`, named `bound` in the error; priorities non-negative
-    and finite) inside jit."""
+    and finite) inside jit. Also returns whether the update may be applied (0-d bool): not
+    when a value check fails, nor for a sample that holds a failure (`failed`). A refused
+    update changes no priority: the caller masks every entry with it."""
     indices = jnp.asarray(indices)
     steps = jnp.asarray(steps)
     new = jnp.asarray(priorities)
@@ -172,9 +176,10 @@ def check_priority_update(
     new = new.astype(jnp.float32)
     indices = indices.astype(jnp.int32)
     out_of_range = jnp.any((indices < 0) | (indices >= capacity))
+    bad = out_of_range | jnp.any((new < 0) | ~jnp.isfinite(new))
     new = branched_error_if(
         new,
-        out_of_range | jnp.any((new < 0) | ~jnp.isfinite(new)),
+        bad,
         jnp.where(out_of_range, 0, 1),
         [
             f"{where}: every index must be in [0, {bound}={capacity}); pass `sample.indices`.",
@@ -182,7 +187,7 @@ def check_priority_update(
             "infinite priority was given).",
         ],
     )
-    return indices, steps, new
+    return indices, steps, new, ~(bad | failed)
 
 
 def set_by_priority(

@@ -148,8 +148,10 @@ class AbstractPrioritisedBuffer(AbstractBuffer, RulePriorities, AbstractPrioriti
         - `sample`: the [`equibuffer.Sample`][] the priorities are for (the least
             error-prone), or its `indices` together with `steps=sample.steps`.
         - `priorities`: `(batch,)` non-negative finite priorities, before the exponent `alpha`
-            (e.g. `|td_error| + 1e-6`). Negative, NaN or infinite values raise inside jit
-            recorded inside jit and raised by [`equibuffer.check`][].
+            (e.g. `|td_error| + 1e-6`). A negative, NaN or infinite value fails (inside jit:
+            recorded, raised by [`equibuffer.check`][] or [`equibuffer.filter_jit`][]) and
+            the whole update is refused: no priority changes. So is an update from a sample
+            that holds a failure.
         - `steps`: only when `sample` is an index array: the absolute start steps
             `sample.steps`.
 
@@ -182,11 +184,11 @@ class AbstractPrioritisedBuffer(AbstractBuffer, RulePriorities, AbstractPrioriti
             ```
         """
         where = f"{type(self).__name__}.set_priorities()"
-        indices, steps = update_target(where, sample, steps)
-        indices, steps, new = check_priority_update(
-            where, self.rule.tree.capacity, indices, steps, priorities
+        indices, steps, failed = update_target(where, sample, steps)
+        indices, steps, new, accepted = check_priority_update(
+            where, self.rule.tree.capacity, indices, steps, priorities, failed=failed
         )
-        current = self.rule.current(self.storage, self.window, indices, steps)
+        current = self.rule.current(self.storage, self.window, indices, steps) & accepted
         tree, max_priority = set_by_priority(
             lambda values, mask: self.rule.tree.write(indices, values, mask=mask),
             self.rule.max_priority,

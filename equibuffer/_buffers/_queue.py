@@ -248,10 +248,11 @@ class Queue(AbstractRingHolder):
 
         **Returns:**
 
-        The updated queue. Fails (inside jit: recorded, raised by [`equibuffer.check`][])
-        when the queue has no room for `T` more steps per row (`can_add(T)` is false):
-        unread steps are never overwritten. Under `eqx.filter_jit(donate="all")` the write
-        is in place.
+        The updated queue. Fails (inside jit: recorded, raised by [`equibuffer.check`][] or
+        [`equibuffer.filter_jit`][]) when the queue has no room for `T` more steps per row
+        (`can_add(T)` is false): the add is then refused, and the queue returned holds
+        every step it held, unread steps included, with the failure recorded. Under
+        `eqx.filter_jit(donate="all")` the write is in place.
 
         !!! example
 
@@ -281,14 +282,15 @@ class Queue(AbstractRingHolder):
                 f"max_length_time_axis={length}; add fewer steps at a time or raise the size "
                 "(capacity or max_length_time_axis)."
             )
+        full = self.unread + t > length
         unread = error_if(
-            self.unread + t,
-            self.unread + t > length,
+            jnp.where(full, self.unread, self.unread + t),
+            full,
             f"Queue.add(): the queue is full: adding {t} steps per row would overwrite unread "
             f"steps (max_length_time_axis={length}). Sample first, or check "
             f"`queue.can_add({t})`.",
         )
-        storage = self.storage.write(batch)
+        storage, _ = self.storage.append(batch, "Queue.add()", refused=full)  # refused: as it was
         return eqx.tree_at(lambda q: (q.storage, q.unread), self, (storage, unread))
 
     @recorded
@@ -302,7 +304,8 @@ class Queue(AbstractRingHolder):
         the batch being row `i` of the queue, steps in time order. `indices` are the flat
         indices `row * max_length_time_axis + slot` of each row's first step, `steps` their absolute
         step (mod 2**32). Fails (inside jit: recorded, raised by [`equibuffer.check`][])
-        when `can_sample()` is false: nothing is invented.
+        when `can_sample()` is false: nothing is invented (the sample's floating leaves are
+        NaN) and nothing is taken (the queue keeps its unread steps).
 
         !!! example
 
@@ -321,9 +324,10 @@ class Queue(AbstractRingHolder):
         """
         storage, s = self.storage, self.sequence_length
         length = storage.length
+        short = self.unread < s
         unread = error_if(
             self.unread,
-            self.unread < s,
+            short,
             f"Queue.sample(): the queue holds fewer than sequence_length={s} unread steps per "
             "row. Add more first, or check `queue.can_sample()`.",
         )
@@ -349,7 +353,7 @@ class Queue(AbstractRingHolder):
             return jax.lax.cond(slot <= length - s, sliced, gathered, data)
 
         experience = jax.lax.platform_dependent(storage.data, cpu=on_cpu, default=gathered)
-        queue = eqx.tree_at(lambda q: q.unread, self, unread - s)
+        queue = eqx.tree_at(lambda q: q.unread, self, jnp.where(short, unread, unread - s))
         return queue, Sample(experience=experience, indices=indices, steps=steps)
 
     def update(self, fn: UpdateFn) -> "Queue":

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from .._custom_types import Indices, IntScalar, Steps
 from .._errors import branched_error_if, error_if
@@ -151,6 +151,14 @@ class AbstractRule(eqx.Module):
             "`reference(window)` method returning one (see equibuffer.testing's "
             "UniformRule and EpisodeRule)."
         )
+
+
+def unless(refused: Bool[ArrayLike, ""], values: Array) -> Bool[Array, " m"] | None:
+    """The mask of a rule's tree write after an add that a check may have `refused`: no
+    entry written where it did (`None`, no mask, for an add that cannot be refused)."""
+    if refused is False:
+        return None
+    return jnp.broadcast_to(~jnp.asarray(refused), values.shape)
 
 
 def count_held(storage: RingStorage, window: Window) -> IntScalar:
@@ -355,17 +363,23 @@ class Episodic(AbstractUniformRule):
         return (self.episodes.ends,)
 
     def _rated(
-        self, storage: RingStorage, episodes: EpisodeEnds, offsets: Int[Array, " m"], window: Window
+        self,
+        storage: RingStorage,
+        episodes: EpisodeEnds,
+        offsets: Int[Array, " m"],
+        window: Window,
+        refused: Bool[ArrayLike, ""] = False,
     ) -> "Episodic":
         valid, slots = episodes.validity(storage, offsets, window)
         indices = flat_indices(storage.rows, storage.length, slots)  # (each slot named once)
-        tree = self.tree.write(indices, valid.reshape(-1).astype(jnp.float32), unique_indices=True)
+        values = valid.reshape(-1).astype(jnp.float32)
+        tree = self.tree.write(indices, values, mask=unless(refused, values), unique_indices=True)
         return eqx.tree_at(lambda r: (r.episodes, r.tree), self, (episodes, tree))
 
     def added(self, storage: RingStorage, appended: Appended, window: Window) -> "Episodic":
         episodes = self.episodes.written(storage, appended)
         offsets = changed_offsets(storage, appended.keep, window.length)
-        return self._rated(storage, episodes, offsets, window)
+        return self._rated(storage, episodes, offsets, window, appended.refused)
 
     def updated(
         self, storage: RingStorage, window: Window, *, restored: bool = False
@@ -473,7 +487,9 @@ class Prioritised(_ByTheCounters, AbstractPrioritisedRule):
         fresh = self.max_priority**self.alpha
         values = jnp.broadcast_to(jnp.where(valid, fresh, 0.0), (rows, m)).reshape(-1)
         slots = (storage.head - m + jnp.arange(m, dtype=jnp.int32)) % length  # (m <= length)
-        tree = self.tree.write(flat_indices(rows, length, slots), values, unique_indices=True)
+        indices = flat_indices(rows, length, slots)
+        mask = unless(appended.refused, values)
+        tree = self.tree.write(indices, values, mask=mask, unique_indices=True)
         return eqx.tree_at(lambda r: r.tree, self, tree)
 
     def updated(
@@ -572,6 +588,7 @@ class PrioritisedEpisodic(AbstractPrioritisedRule):
         offsets: Int[Array, " m"],
         overwritten: Bool[Array, " m"],
         window: Window,
+        refused: Bool[ArrayLike, ""] = False,
     ) -> "PrioritisedEpisodic":
         """Re-rate the windows starting at `offsets`: 0 if not valid; else the old leaf if the
         window was valid before and its slot was not `overwritten`, else `max_priority **
@@ -582,11 +599,13 @@ class PrioritisedEpisodic(AbstractPrioritisedRule):
         old = self.tree.read(indices).reshape(valid.shape)
         fresh = self.max_priority**self.alpha
         kept = before & ~overwritten[None, :]
-        leaves = jnp.where(valid, jnp.where(kept, old, fresh), 0.0)
-        tree = self.tree.write(indices, leaves.reshape(-1), unique_indices=True)
+        leaves = jnp.where(valid, jnp.where(kept, old, fresh), 0.0).reshape(-1)
+        tree = self.tree.write(indices, leaves, mask=unless(refused, leaves), unique_indices=True)
         # The flags written only after `before` is read: else XLA copies them to keep
         # `before`, which nothing makes it read first (see `read_once`).
         before, valid = read_once(before, valid)
+        if refused is not False:  # (a refused add: every flag and count as it was)
+            valid = jnp.where(refused, before, valid)
         new_valid = self.valid.at[:, slots].set(
             valid, unique_indices=True, mode="promise_in_bounds"
         )
@@ -605,7 +624,7 @@ class PrioritisedEpisodic(AbstractPrioritisedRule):
         offsets = changed_offsets(storage, appended.keep, window.length)
         m = offsets.shape[0]
         overwritten = jnp.arange(m) >= m - appended.keep
-        return self._rated(storage, episodes, offsets, overwritten, window)
+        return self._rated(storage, episodes, offsets, overwritten, window, appended.refused)
 
     def updated(
         self, storage: RingStorage, window: Window, *, restored: bool = False

@@ -395,8 +395,13 @@ class AbstractClusteredBuffer(AbstractRowBlocked, AbstractReplayBuffer):
             assert sorted(held.tolist()) == [3.0, 4.0]  # cluster 1 kept its newest 2
             ```
         """
+        return self._add(batch)
+
+    def _add(self: _Clustered, batch: ExperienceBatch, refused: Any = None) -> _Clustered:
+        """`add`, refused where the 0-d bool `refused` is true (by a wrapper's check, as
+        `RateLimited`'s): nothing is written or counted then."""
         where = f"{type(self).__name__}.add()"
-        storage, routed = self.storage.append(batch, self.cluster_fn, where)
+        storage, routed = self.storage.append(batch, self.cluster_fn, where, refused=refused)
         rule = self.rule.added(storage, routed)
         return eqx.tree_at(lambda b: (b.storage, b.rule), self, (storage, rule))
 
@@ -689,8 +694,9 @@ class PrioritisedClusteredBuffer(
         - `sample`: the sample the priorities are for, or its `indices` together with
             `steps=sample.steps`.
         - `priorities`: `(batch,)` non-negative finite priorities, before the exponent `alpha`.
-            Negative, NaN or infinite values fail (inside jit: recorded, raised by
-            [`equibuffer.check`][]).
+            A negative, NaN or infinite value fails (inside jit: recorded, raised by
+            [`equibuffer.check`][] or [`equibuffer.filter_jit`][]) and the whole update is
+            refused: no priority changes. So is an update from a sample holding a failure.
         - `steps`: only when `sample` is an index array: `sample.steps`.
 
         **Returns:**
@@ -720,11 +726,18 @@ class PrioritisedClusteredBuffer(
         """
         where = "PrioritisedClusteredBuffer.set_priorities()"
         k, cap = self.num_clusters, self.cluster_capacity
-        indices, steps = update_target(where, sample, steps)
-        indices, steps, new = check_priority_update(
-            where, k * cap, indices, steps, priorities, bound="num_clusters * cluster_capacity"
+        indices, steps, failed = update_target(where, sample, steps)
+        indices, steps, new, accepted = check_priority_update(
+            where,
+            k * cap,
+            indices,
+            steps,
+            priorities,
+            bound="num_clusters * cluster_capacity",
+            failed=failed,
         )
         cluster, slot = indices // cap, indices % cap
         held, number = self.storage.numbers(cluster, slot)
-        rule = self.rule.with_priorities(cluster, slot, new, held & (number == steps))
+        current = held & (number == steps) & accepted
+        rule = self.rule.with_priorities(cluster, slot, new, current)
         return eqx.tree_at(lambda b: b.rule, self, rule)

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from equinox.internal import unvmap_all
 from jaxtyping import Array, Bool, Int, PyTree, Shaped, UInt32
 
 from .._custom_types import ExampleTree, ExperienceBatch, Steps
@@ -64,10 +65,17 @@ class ClusterStorage(eqx.Module):
         return check_batch(where, self.data, self.rows, batch)
 
     def append(
-        self, batch: ExperienceBatch, cluster_fn: Callable[[Any], Any], where: str
+        self,
+        batch: ExperienceBatch,
+        cluster_fn: Callable[[Any], Any],
+        where: str,
+        *,
+        refused: Any = None,
     ) -> tuple["ClusterStorage", Routed]:
         """Route every item of `batch` to its cluster and append it there; `O(N * K)` integer
-        work for `N` items (a running count per cluster gives each its slot), one scatter."""
+        work for `N` items (a running count per cluster gives each its slot), one scatter.
+        Where `refused` (a 0-d bool) is true, or `cluster_fn` gives an id out of range, the
+        add is refused: nothing is written or counted."""
         t = self.steps_in(batch, where)
 
         def flatten(x: Any) -> Array:
@@ -79,16 +87,20 @@ class ClusterStorage(eqx.Module):
         items = jax.tree.map(flatten, batch)
         k, cap = self.num_clusters, self.cluster_capacity
         ids = jax.vmap(cluster_fn)(items).astype(jnp.int32)
+        out_of_range = jnp.any((ids < 0) | (ids >= k))
         ids = error_if(
             ids,
-            jnp.any((ids < 0) | (ids >= k)),
+            out_of_range,
             f"{where}: `cluster_fn` returned a cluster id outside [0, num_clusters={k}).",
         )
-        onehot = (ids[:, None] == jnp.arange(k, dtype=jnp.int32)[None, :]).astype(jnp.int32)
+        bad = out_of_range if refused is None else out_of_range | refused
+        # A refused add routes every item to no cluster: nothing is written or counted.
+        onehot = (ids[:, None] == jnp.arange(k, dtype=jnp.int32)[None, :]) & ~bad
+        onehot = onehot.astype(jnp.int32)
         counts = jnp.sum(onehot, axis=0, dtype=jnp.int32)
         running = jnp.cumsum(onehot, axis=0, dtype=jnp.int32)
         rank = jnp.take_along_axis(running, ids[:, None], axis=1)[:, 0] - 1
-        kept = rank >= counts[ids] - cap  # only the newest `cap` items of one cluster
+        kept = (rank >= counts[ids] - cap) & ~bad  # only the newest `cap` items of one cluster
         slot = (self.head[ids] + rank) % cap
         target = jnp.where(kept, ids, k)  # out of range: dropped by the scatter
         data = jax.tree.map(
@@ -102,7 +114,9 @@ class ClusterStorage(eqx.Module):
         storage = eqx.tree_at(
             lambda s: (s.data, s.head, s.fill, s.count, s.added),
             self,
-            (data, head, fill, count, jnp.array(True)),
+            # (`added` stays unbatched under vmap, as `can_sample()` reads it: refused only
+            # when every batch element refused)
+            (data, head, fill, count, self.added | ~unvmap_all(bad)),
         )
         return storage, Routed(ids, slot, kept)
 

@@ -7,11 +7,15 @@ is returned unchanged, and the failure `pred` is reported in one of these ways, 
 - **unset (the default): recorded.** Inside a buffer method marked `@recorded` (every
     `add`, `sample`, `set_priorities` of every kind), a traced check costs no conditional
     and no host callback: its message's code is folded into one `uint32` word per call,
-    kept in what the method returns (the ring's error word for a buffer, `Sample.error`
-    for a sample; the first failure is kept). It is raised, as an `EquinoxRuntimeError`
-    with the check's message, at the next host-side use: `eb.check(tree)`, a step wrapped
-    in `eb.filter_jit`, any eager method call on that buffer, `set_priorities` given that
-    sample, `Archive.write`. An eager check (concrete values) raises at once.
+    kept in what the method returns (the error word of every buffer's storage,
+    `Sample.error` of every sample, whose floating leaves are then NaN; the first failure
+    is kept), and carried out of the traced step (`_carried`: `checkify` threads it through
+    every loop, branch, `vmap` and `shard_map`). A step compiled with `eb.filter_jit` raises
+    it, as an `EquinoxRuntimeError` with the check's message, when the call returns, whether
+    or not the step returns what failed. Otherwise it is raised at the next host-side use:
+    `eb.check(tree)`, any eager method call on that buffer, `set_priorities` given that
+    sample, `Archive.write`. An eager check (concrete values) raises at once. A check that
+    guards a write is a refusal: the method writes nothing then.
     Measured on an NVIDIA H200: a conditional whose branch calls back into Python makes the
     device wait for the host at every call (~27 us per check; shared/gpu/README.md).
 - `EQX_ON_ERROR=raise`: **immediate**, the debugging mode: each check is Equinox's
@@ -344,14 +348,17 @@ def check(tree: PyTree[Any], *, traced_ok: bool = False) -> None:
 
     Inside a jitted step, a failed check (sampling a buffer that `can_sample()` says is not
     ready, a negative priority, a full `Queue`, ...) does not stop the device: it is
-    recorded in what the method returns, the buffer's ring (`buffer.storage.error`) or the
-    sample (`sample.error`), at the cost of a few scalar operations and no wait for the host.
+    recorded in what the method returns, every buffer's storage (`buffer.storage.error`)
+    and sample (`sample.error`; a failed sample's floating leaves are also NaN), at the cost
+    of a few scalar operations and no wait for the host; a refused write changed no data.
     `check` reads those words with one copy to the host and raises the first failure as an
-    `equinox.EquinoxRuntimeError` with the check's own message. Call it on what a jitted step
-    returns (a train state, a sample, any pytree holding them), as often as you want errors
-    to surface: after every call, or every `n` steps when you log. [`equibuffer.filter_jit`][]
-    calls it after every call for you. An eager call raises at once, and an eager method of
-    a buffer holding a failure raises it before doing anything.
+    `equinox.EquinoxRuntimeError` with the check's own message. Call it on what a step
+    compiled with plain `eqx.filter_jit` or `jax.jit` returns (a train state, a sample, any
+    pytree holding them), when you log. It sees only what the step returns: a sample used
+    inside the step and not returned shows its failure only as NaN. A step compiled with
+    [`equibuffer.filter_jit`][] raises every failure anywhere inside it when the call
+    returns, returned or not: prefer it. An eager call raises at once, and an eager method
+    of a buffer holding a failure raises it before doing anything.
 
     **Arguments:**
 

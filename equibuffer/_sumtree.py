@@ -35,6 +35,20 @@ _SMALL_WRITE = 24
 # (a write of 2 entries at 10**6: 0.05 against 8 us; of 32: 1.1 against 3.1 us), about even
 # at 64.
 _IN_TURN = 32
+# Up to this many entries, a write goes one entry after the other on the CPU too when its
+# node array is of `_SPLIT_BYTES` or more: XLA:CPU splits a scatter into such an array (its
+# output is the whole array) across two threads (`outer_dimension_partitions`), and a
+# jitted call from Python then waits for the second thread to wake, about 40 us per call on
+# a 2-core machine, more than the whole write. Measured (`_write` donated, 2 cores, scatters
+# against one entry after the other), 256 entries: 72 against 31 us per call at 5 * 10**5
+# leaves, 69 against 21 at 10**7, and 8.3 against 5.3 / 8.8 against 6.1 us inside a
+# `lax.scan`; 1024 entries: 96 against 51 us per call, 31 against 22 in a scan (5 * 10**5);
+# 4096: the scatters are faster in a scan (60 against 82 us). Below the split (10**5 leaves)
+# the scatters stay faster in a scan from 256 entries (3.7 against 4.9 us).
+_IN_TURN_SPLIT = 1024
+# XLA:CPU's ParallelTaskAssigner gives a memory-bound loop fusion one task per 256 KiB of
+# output (at most ceil(sqrt(cores)) of them): it is split from 512 KiB.
+_SPLIT_BYTES = 2 * 256 * 1024
 # Up to this many entries, a write finds the repeated leaves by comparing every pair of
 # entries; above, by marking the leaves (see `_last_of_each`).
 _PAIRWISE = 64
@@ -523,7 +537,8 @@ def _write(
     (the roots included)."""
     indices = indices.astype(jnp.int32)
     writes = _Writes(indices, _flush_subnormal(values), mask, tree)
-    if indices.shape[0] <= _IN_TURN and not BARRIER_EXPANDED:
+    split = nodes.size * nodes.dtype.itemsize >= _SPLIT_BYTES
+    if indices.shape[0] <= max(_IN_TURN, _IN_TURN_SPLIT if split else 0) and not BARRIER_EXPANDED:
         # On the CPU one entry after the other; elsewhere by scatters, as below (a loop over
         # the entries there would run each level's few flops as a kernel of its own). Before
         # jax 0.11, by scatters everywhere (see `_write_in_turn`; XLA then also copied a

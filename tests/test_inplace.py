@@ -218,3 +218,21 @@ def test_a_small_tree_write_on_the_cpu_goes_entry_by_entry(size):
         assert not [n for n in copies(write, tree, indices, values) if n >= leaves], name
         lowered = jax.jit(write).trace(tree, indices, values).lower(lowering_platforms=("cuda",))
         assert "stablehlo.scatter" in lowered.as_text(), name
+
+
+@pytest.mark.parametrize("size", [33, 256, 1024])
+def test_a_tree_write_into_a_split_size_array_on_the_cpu_goes_entry_by_entry(size):
+    """Up to 1024 entries into a node array of 512 KiB or more (8**6 leaves: 1.2 MB), which
+    XLA:CPU would split across two threads for a scatter, the write goes one entry after the
+    other too: nothing split (a jitted `set_priorities` of 256 at 5 * 10**5 windows waited
+    ~40 us per call for the second thread), no copy of the tree. A smaller array keeps its
+    scatters from 33 entries (they are faster there inside a scan)."""
+    leaves = 8**6
+    indices, values = jnp.arange(size, dtype=jnp.int32) * 7 % leaves, jnp.ones(size)
+    write = lambda t, i, v: t.write(i, v)  # noqa: E731
+    hlo = compiled_hlo(write, eb.SumTree(leaves), indices, values, donate=True)
+    if not BARRIER_EXPANDED:
+        assert "scatter(" not in hlo and "outer_dimension_partitions" not in hlo
+    assert not [n for n in copies(write, eb.SumTree(leaves), indices, values) if n >= leaves]
+    small = compiled_hlo(write, eb.SumTree(8**5), indices, values, donate=True)
+    assert "scatter(" in small

@@ -2,8 +2,9 @@
 
 The whole training run is one `jax.lax.scan` over steps of a batch of parallel environments,
 cut into a few jitted chunks so that progress can be printed between them. The replay buffer
-is an ordinary field of the train state: it goes through `eqx.filter_jit`, `lax.scan`,
-`lax.cond` and buffer donation exactly like the network parameters do.
+is an ordinary field of the train state: it goes through `eb.filter_jit` (Equinox's
+`filter_jit`, checked: a buffer check failing anywhere in a chunk raises when the chunk
+returns), `lax.scan`, `lax.cond` and buffer donation exactly like the network parameters do.
 
 Each environment step is stored once, as what the agent saw and what followed:
 `Step(obs, action, reward, terminated, truncated)`. A `TransitionBuffer` samples consecutive
@@ -111,7 +112,8 @@ class Step(eqx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Hyperparameters. Frozen (hashable), so `eqx.filter_jit` treats it as static."""
+    """Hyperparameters. Frozen (hashable), so `eqx.filter_jit` and `eb.filter_jit` treat it as
+    static."""
 
     total_steps: int = 100_000  # environment steps, summed over the parallel environments
     num_envs: int = 8  # parallel environments = the buffer's `add_batch_size`
@@ -307,7 +309,7 @@ def train_step(state: TrainState, config: Config) -> tuple[TrainState, StepStats
     return state, StepStats(returns=returns, ended=ended, loss=loss)
 
 
-@eqx.filter_jit(donate="all")
+@eb.filter_jit(donate="all")
 def train_chunk(state: TrainState, config: Config) -> tuple[TrainState, StepStats]:
     """`config.steps_per_chunk` steps of `train_step` in one `lax.scan`. The state is
     donated, so the buffer's storage is updated in place rather than copied each chunk."""
@@ -361,10 +363,9 @@ def train(config: Config, seed: int, verbose: bool = True) -> tuple[TrainState, 
     env_steps, returns, chunk_means = [], [], []
     start = time.perf_counter()
     for chunk in range(config.chunks):
+        # A check that fails inside the chunk (e.g. a sample before `can_sample()`) raises
+        # here, when the chunk returns (no wait for the host inside it).
         state, stats = train_chunk(state, config)
-        # A check that failed inside the chunk (e.g. a sample before `can_sample()`) was
-        # recorded in the buffer, not raised there (no wait for the host): raise it now.
-        eb.check(state)
         ended = np.asarray(stats.ended)  # (steps_per_chunk, num_envs)
         step_index, _ = np.nonzero(ended)
         first_step = chunk * config.steps_per_chunk

@@ -497,7 +497,8 @@ def filter_jit(fun: Callable[..., Any] | None = None, *, donate: str = "none") -
             _raise_checked(jax.tree.unflatten(structure, leaves), out)
         return out
 
-    checked.lower = jitted.lower  # pyright: ignore[reportFunctionMemberAccess]
+    # eqx.filter_jit's `lower`, for the compiled program (neither is typed as having one)
+    checked.lower = jitted.lower  # pyright: ignore[reportAttributeAccessIssue, reportFunctionMemberAccess]
     return checked
 
 

@@ -233,7 +233,7 @@ def recorded(method: _Method) -> _Method:
         if not words:
             return out
         word = _fold(words)
-        surface(word)
+        report(word)  # carried out of the step to `filter_jit` (nothing elsewhere: `_carried`)
         return _attach(out, word)
 
     return wrapper  # pyright: ignore[reportReturnType]
@@ -299,14 +299,6 @@ def poisoned(tree: PyTree, word: jax.Array) -> PyTree:
 # ------------------------------------------------------------- failures under `filter_jit`
 
 
-def surface(word: jax.Array) -> None:
-    """Report recorded failure `word` (a 0-d `uint32`, unbatched) to the checked step around
-    the call being traced ([`equibuffer.filter_jit`][]), wherever it is traced: inside loop
-    bodies, branches, `vmap` and `shard_map`, whether or not the step returns what carries it.
-    Outside a checked step this is nothing at all (see `_carried`)."""
-    report(word)
-
-
 def _raise_checked(error: Any, output: Any) -> None:
     """Raise the failure that the checked call's `checkify` error holds (read on the host,
     one copy), with `output` (what the call returned) as the exception's `output`."""
@@ -317,29 +309,33 @@ def _raise_checked(error: Any, output: Any) -> None:
     mapping = getattr(exc, "error_mapping", None)  # under shard_map: one error per device
     if mapping:
         exc = next(iter(mapping.values()))
-    try:
-        if getattr(exc, "fmt_string", None) == FORMAT:
-            raise_recorded(int(np.max(np.asarray(exc.args[0]))), checked=True)
-        raise checkify.JaxRuntimeError(str(exc))  # a user's own `checkify.check`
-    except Exception as failure:
-        failure.output = output  # pyright: ignore[reportAttributeAccessIssue]
-        raise failure from None
+    if getattr(exc, "fmt_string", None) == FORMAT:
+        failure = _recorded_error(int(np.max(np.asarray(exc.args[0]))), checked=True)
+    else:  # a user's own `checkify.check`, raised as checkify raises it
+        failure = checkify.JaxRuntimeError(str(exc))
+    failure.output = output  # pyright: ignore[reportAttributeAccessIssue]
+    raise failure
 
 
-def raise_recorded(code: int, *, checked: bool = False) -> None:
-    """Raise the failure of recorded word `code` (a Python int), if any: one found by the
-    checked step around the call (`checked`), or one recorded in a buffer or sample."""
+def raise_recorded(code: int) -> None:
+    """Raise the failure of recorded word `code` (a Python int), if any."""
     if code:
-        msg = _MESSAGES[code] if code < len(_MESSAGES) else f"(failure {code} of another process)"
-        how = (
-            "Raised when the checked step (`eb.filter_jit`) returned; `error.output` holds "
-            "what it returned"
-            if checked
-            else "Recorded inside a jitted call and raised at the first use outside jit"
-        )
-        raise eqx.EquinoxRuntimeError(
-            f"{msg}\n\n({how}; run with EQX_ON_ERROR=raise to raise inside the call that failed.)"
-        )
+        raise _recorded_error(code)
+
+
+def _recorded_error(code: int, *, checked: bool = False) -> Exception:
+    """The error of recorded word `code` (nonzero): one found by the checked step around the
+    call (`checked`), or one recorded in a buffer or sample."""
+    msg = _MESSAGES[code] if code < len(_MESSAGES) else f"(failure {code} of another process)"
+    how = (
+        "Raised when the checked step (`eb.filter_jit`) returned; `error.output` holds what it "
+        "returned"
+        if checked
+        else "Recorded inside a jitted call and raised at the first use outside jit"
+    )
+    return eqx.EquinoxRuntimeError(
+        f"{msg}\n\n({how}; run with EQX_ON_ERROR=raise to raise inside the call that failed.)"
+    )
 
 
 def check(tree: PyTree[Any], *, traced_ok: bool = False) -> None:

@@ -339,3 +339,17 @@ def test_every_buffer_a_failed_method_returns_records_it():
     for source in refused.buffers:
         assert int(source.storage.error) != 0
     _assert_same(mixer, refused)
+
+
+def test_a_checkify_check_of_your_own_raises_from_the_checked_step():
+    """The checked step runs `checkify`'s user checks too, instead of refusing to lower them."""
+    from jax.experimental import checkify
+
+    def step(x):
+        checkify.check(x > 0, "x must be positive, got {x}", x=x)
+        return x + 1
+
+    with pytest.raises(checkify.JaxRuntimeError, match="x must be positive") as caught:
+        eb.filter_jit(step)(jnp.float32(-1))
+    assert float(caught.value.output) == 0.0
+    assert float(eb.filter_jit(step)(jnp.float32(2))) == 3.0

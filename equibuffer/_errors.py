@@ -252,12 +252,19 @@ def record(word: jax.Array) -> None:
         collected.append(jnp.asarray(word, jnp.uint32))
 
 
+def first_failure(*words: ArrayLike) -> jax.Array:
+    """The first nonzero (failed) word among `words`, in their order (0 when none failed): a
+    failure already recorded is kept."""
+    word = jnp.asarray(words[0])
+    for w in words[1:]:
+        word = jnp.where(word != 0, word, w)
+    return word
+
+
 def _fold(words: list[jax.Array]) -> jax.Array:
     """The first failure among `words` (in the order checked), one word for every batch
     element under `vmap` and for every device under `shard_map`."""
-    word = words[0]
-    for w in words[1:]:
-        word = jnp.where(word != 0, word, w)
+    word = first_failure(*words)
     # Unbatched under vmap, as the counters it joins (so `can_sample()` stays unbatched).
     word = eqx.internal.unvmap_max(word)
     axes = _manual_axes()

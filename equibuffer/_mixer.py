@@ -14,7 +14,7 @@ from ._buffers._base import Sample
 from ._buffers._epochs import no_epochs
 from ._checks import check_key, check_positive_int, keystr, refuse_flashbax_only
 from ._custom_types import Beta, BoolScalar, IntScalar
-from ._errors import poisoned, recorded
+from ._errors import first_failure, poisoned, recorded
 from ._protocol import AbstractPrioritisedSource, AbstractSource
 
 
@@ -61,17 +61,13 @@ class MixedSample(eqx.Module):
     def error(self) -> UInt32[Array, ""]:
         """The failure recorded while drawing it inside jit (0-d uint32, 0 for none): the
         first among its sources' samples."""
-        words = [s.error for s in self.samples if s is not None]
-        word = words[0]
-        for w in words[1:]:
-            word = jnp.where(word != 0, word, w)
-        return word
+        return first_failure(*[s.error for s in self.samples if s is not None])
 
     def with_error(self, word: UInt32[Array, ""]) -> "MixedSample":
         """The sample with failure `word` recorded in every source's sample, and its
         floating leaves NaN when a failure is recorded (see [`equibuffer.Sample`][])."""
         samples = tuple(None if s is None else s.with_error(word) for s in self.samples)
-        word = jnp.where(self.error != 0, self.error, word)
+        word = first_failure(self.error, word)
         mixed = poisoned((self.experience, self.weights), word)
         return eqx.tree_at(lambda m: (m.experience, m.weights, m.samples), self, (*mixed, samples))
 

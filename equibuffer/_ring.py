@@ -17,7 +17,7 @@ from ._checks import (
     keystr,
 )
 from ._custom_types import Count, ExampleTree, ExperienceBatch, IntScalar, StepCount
-from ._errors import error_if, raise_recorded
+from ._errors import error_if, first_failure, raise_recorded
 
 
 _TWO_32 = 1 << 32
@@ -121,8 +121,7 @@ class RingStorage(eqx.Module):
     def with_error(self, word: UInt32[Array, "*stacked"]) -> "RingStorage":
         """The storage with failure `word` recorded, unless one is recorded already (the
         first failure is kept)."""
-        old = self.counters[..., 4]
-        counters = self.counters.at[..., 4].set(jnp.where(old != 0, old, word))
+        counters = self.counters.at[..., 4].set(first_failure(self.counters[..., 4], word))
         return eqx.tree_at(lambda s: s.counters, self, counters)
 
     def with_counters(

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray, UInt32
 
 from .._custom_types import Indices, IntScalar, Steps
+from .._errors import first_failure
 from .._ring import RingStorage
 from .._windows import start_steps, window_offsets
 
@@ -95,7 +96,7 @@ class Epoch(eqx.Module):
 
     def with_error(self, word: UInt32[Array, ""]) -> "Epoch":
         """The plan with failure `word` recorded, unless one is recorded already."""
-        return eqx.tree_at(lambda e: e.error, self, jnp.where(self.error != 0, self.error, word))
+        return eqx.tree_at(lambda e: e.error, self, first_failure(self.error, word))
 
 
 def epoch_batch_windows(

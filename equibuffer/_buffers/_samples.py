@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PyTree, Shaped, UInt32
 
 from .._custom_types import Indices, Steps
-from .._errors import poisoned
+from .._errors import first_failure, poisoned
 
 
 class Transition(eqx.Module):
@@ -72,7 +72,7 @@ class Sample(eqx.Module):
         """The sample with failure `word` recorded, unless one is recorded already, and its
         floating leaves NaN when a failure is recorded (a loss computed from a sample that
         could not be drawn shows it)."""
-        word = jnp.where(self.error != 0, self.error, word)
+        word = first_failure(self.error, word)
         return poisoned(eqx.tree_at(lambda s: s.error, self, word), word)
 
 

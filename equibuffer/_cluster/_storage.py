@@ -11,7 +11,7 @@ from equinox.internal import unvmap_all
 from jaxtyping import Array, Bool, Int, PyTree, Shaped, UInt32
 
 from .._custom_types import ExampleTree, ExperienceBatch, Steps
-from .._errors import error_if
+from .._errors import error_if, first_failure
 from .._ring import check_batch, RingStorage
 
 
@@ -55,7 +55,7 @@ class ClusterStorage(eqx.Module):
 
     def with_error(self, word: UInt32[Array, "*stacked"]) -> "ClusterStorage":
         """The storage with failure `word` recorded, unless one is recorded already."""
-        return eqx.tree_at(lambda s: s.error, self, jnp.where(self.error != 0, self.error, word))
+        return eqx.tree_at(lambda s: s.error, self, first_failure(self.error, word))
 
     def item(self) -> PyTree[jax.ShapeDtypeStruct]:
         """The shape and dtype of one item."""

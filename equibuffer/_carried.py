@@ -17,7 +17,8 @@ into its carried error, and that is nothing at all everywhere else.
     rematerialised function is not dropped for having no used output.
 
 Only JAX's internal `checkify` rules table takes such a rule: where its pieces have moved the
-primitive is still nothing outside the checked step, and `AVAILABLE` is false.
+primitive is still nothing outside the checked step, `AVAILABLE` is false, and `eb.filter_jit`
+falls back to checking what the step returns (`eb.check` on its output).
 """
 
 import functools

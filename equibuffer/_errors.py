@@ -48,6 +48,7 @@ from jax.core import Tracer
 from jax.experimental import checkify
 from jaxtyping import ArrayLike, PyTree
 
+from . import _carried
 from ._carried import FORMAT, report
 
 
@@ -471,6 +472,8 @@ def filter_jit(fun: Callable[..., Any] | None = None, *, donate: str = "none") -
         return functools.partial(filter_jit, donate=donate)
     if MODE == "off":
         return eqx.filter_jit(fun, donate=donate)  # pyright: ignore[reportArgumentType]
+    if not _carried.AVAILABLE:  # checkify's rules moved: check what the step returns only
+        return _checking_outputs(fun, donate)
 
     @functools.wraps(fun)
     def carried(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
@@ -501,6 +504,22 @@ def filter_jit(fun: Callable[..., Any] | None = None, *, donate: str = "none") -
         return out
 
     # eqx.filter_jit's `lower`, for the compiled program (neither is typed as having one)
+    checked.lower = jitted.lower  # pyright: ignore[reportAttributeAccessIssue, reportFunctionMemberAccess]
+    return checked
+
+
+def _checking_outputs(fun: Callable[..., Any], donate: str) -> Callable[..., Any]:
+    """`eqx.filter_jit(fun)` with [`equibuffer.check`][] on every call's output: what the
+    checked step falls back to where the failure cannot be carried out of the step (a JAX
+    whose `checkify` no longer takes the library's rule, see `_carried`)."""
+    jitted = eqx.filter_jit(fun, donate=donate)  # pyright: ignore[reportArgumentType]
+
+    @functools.wraps(fun)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        out = jitted(*args, **kwargs)
+        check(out, traced_ok=True)
+        return out
+
     checked.lower = jitted.lower  # pyright: ignore[reportAttributeAccessIssue, reportFunctionMemberAccess]
     return checked
 

@@ -353,3 +353,16 @@ def test_a_checkify_check_of_your_own_raises_from_the_checked_step():
         eb.filter_jit(step)(jnp.float32(-1))
     assert float(caught.value.output) == 0.0
     assert float(eb.filter_jit(step)(jnp.float32(2))) == 3.0
+
+
+def test_where_checkify_takes_no_rule_the_checked_step_checks_its_output(monkeypatch):
+    """A JAX whose `checkify` no longer takes the library's rule (`_carried.AVAILABLE`
+    false): the checked step still raises what the step returns, as before issue 36."""
+    import equibuffer._carried
+
+    monkeypatch.setattr(equibuffer._carried, "AVAILABLE", False)
+    step = eb.filter_jit(lambda b, k: (b, b.sample(k, 4)))
+    with pytest.raises(eqx.EquinoxRuntimeError, match="cannot be sampled yet"):
+        step(_empty(), jax.random.key(0))
+    buffer, sample = step(_empty().add({"x": jnp.ones((1, 3, 2))}), jax.random.key(0))
+    assert sample.experience.first["x"].shape == (4, 2)

@@ -38,7 +38,8 @@ import numpy as np
 
 from equibuffer._buffers._prioritised import PrioritisedItemBuffer, PrioritisedTransitionBuffer
 from equibuffer._buffers._transition import TransitionBuffer
-from equibuffer._sumtree import _layout, SumTree
+from equibuffer._sumtree import SumTree
+from equibuffer._sumtree._layout import node_layout
 
 from ._timing import best_time, fmt_time, Held, materialise, paired_times, table
 
@@ -95,7 +96,7 @@ def bench_layouts(capacities: list[int], repeat: int, inner: int = 50) -> list[d
                 {
                     "capacity": f"{capacity:.0e}",
                     "layout": name,
-                    "levels": len(_layout(capacity, fanout, top)[0]),
+                    "levels": len(node_layout(capacity, fanout, top)[0]),
                     "set 256, in scan": fmt_time(t_set),
                     "sample 256, in scan": fmt_time(t_sample),
                     "set 256, one call": fmt_time(t_set_one),

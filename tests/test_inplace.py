@@ -12,7 +12,7 @@ import pytest
 
 import equibuffer as eb
 from equibuffer._checks import BARRIER_EXPANDED
-from equibuffer._sumtrees import SumTrees
+from equibuffer._sumtree import SumTrees
 
 from .helpers import compiled_hlo, copies
 from .mesh_kinds import add, batch, cluster_of, EXAMPLE, kinds, prioritised_kinds

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import equibuffer as eb
-from equibuffer._sumtrees import SumTrees
+from equibuffer._sumtree import SumTrees
 
 from .mesh_kinds import add, batch, prioritised_kinds
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from equibuffer import _sumtree
-from equibuffer._sumtree import _last_of_each, SumTree
-from equibuffer._sumtrees import SumTrees
+from equibuffer._sumtree import _writes
+from equibuffer._sumtree import SumTree
+from equibuffer._sumtree import SumTrees
 
 from .helpers import budget, chi_square_pvalue, scatters
 
@@ -217,13 +217,13 @@ def _ways(jitted, eager) -> list:
     """`(write, _IN_TURN, _PAIRWISE)`: the three ways a write of a small batch can go on the
     CPU: one entry after the other (the default there, jitted), and by one scatter per level
     (elsewhere's way) after the pairwise comparison or after the marks (both eagerly)."""
-    return [(jitted, _sumtree._IN_TURN, _sumtree._PAIRWISE), (eager, 0, 64), (eager, 0, 0)]
+    return [(jitted, _writes.IN_TURN, _writes.PAIRWISE), (eager, 0, 64), (eager, 0, 0)]
 
 
 def _patched(in_turn: int, pairwise: int) -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
-    stack.enter_context(unittest.mock.patch.object(_sumtree, "_IN_TURN", in_turn))
-    stack.enter_context(unittest.mock.patch.object(_sumtree, "_PAIRWISE", pairwise))
+    stack.enter_context(unittest.mock.patch.object(_writes, "IN_TURN", in_turn))
+    stack.enter_context(unittest.mock.patch.object(_writes, "PAIRWISE", pairwise))
     return stack
 
 
@@ -270,8 +270,8 @@ def test_the_scatter_after_the_deduplication_has_unique_indices(case):
     target = jnp.where(jnp.asarray(mask), jnp.asarray(indices), end)
     last = {int(i): j for j, (i, m) in enumerate(zip(indices, mask, strict=True)) if m}
     for pairwise in (64, 0):  # (the default for a small batch, and the marks)
-        with unittest.mock.patch.object(_sumtree, "_PAIRWISE", pairwise):
-            nodes, written = _last_of_each(tree.nodes, 6, jnp.asarray(indices), target, end)
+        with unittest.mock.patch.object(_writes, "PAIRWISE", pairwise):
+            nodes, written = _writes.last_of_each(tree.nodes, 6, jnp.asarray(indices), target, end)
         written = np.asarray(written)
         kept = written[written != end]
         assert len(set(kept.tolist())) == len(kept)

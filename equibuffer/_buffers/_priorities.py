@@ -15,7 +15,7 @@ from .._custom_types import BoolScalar, Indices, Steps
 from .._errors import branched_error_if, record
 from .._ring import RingStorage
 from .._sumtree import SumTree
-from .._sumtree_search import read_once
+from .._barriers import read_once
 from .._windows import start_steps, window_offsets
 from ._samples import Sample
 from ._window import Drawn, Request

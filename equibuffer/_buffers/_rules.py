@@ -35,7 +35,7 @@ from .._custom_types import Indices, IntScalar, Steps
 from .._errors import branched_error_if, error_if
 from .._ring import Appended, RingStorage
 from .._sumtree import SumTree
-from .._sumtree_search import read_once
+from .._barriers import read_once
 from .._windows import (
     changed_offsets,
     flat_indices,

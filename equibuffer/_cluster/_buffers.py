@@ -40,7 +40,7 @@ from .._custom_types import (
 from .._errors import error_if, record, recorded
 from .._protocol import AbstractPrioritisedSource, AbstractReplayBuffer
 from .._sumtree import SumTree
-from .._sumtrees import SumTrees
+from .._sumtree import SumTrees
 from ._rules import AbstractClusterRule, ClusterRequest, PrioritisedInCluster, UniformInCluster
 from ._samples import ClusteredSample, PrioritisedClusteredSample
 from ._storage import ClusterStorage

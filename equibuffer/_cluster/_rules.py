@@ -12,8 +12,8 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .._buffers._priorities import check_draw, set_by_priority
 from .._custom_types import Steps
 from .._errors import error_if
-from .._sumtree_search import read_once
-from .._sumtrees import SumTrees
+from .._barriers import read_once
+from .._sumtree import SumTrees
 from ._storage import ClusterStorage, Routed
 
 

@@ -6,9 +6,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from . import _sumtree_search as search
-from ._checks import check_positive_int
-from ._sumtree import _write, SumTree
+from .._checks import check_positive_int
+from . import _search as search
+from ._layout import DEFAULT_FANOUT, DEFAULT_TOP, level_of_trees, node_layout, node_rows
+from ._tree import SumTree
+from ._writes import write_nodes
 
 
 class SumTrees(eqx.Module):
@@ -41,8 +43,8 @@ class SumTrees(eqx.Module):
         self,
         trees: int,
         capacity: int,
-        fanout: int = search._DEFAULT_FANOUT,
-        top: int = search._DEFAULT_TOP,
+        fanout: int = DEFAULT_FANOUT,
+        top: int = DEFAULT_TOP,
     ):
         one = SumTree(capacity, fanout, top)  # (its arguments checked)
         trees = check_positive_int("SumTrees()", "trees", trees)
@@ -57,20 +59,20 @@ class SumTrees(eqx.Module):
     @property
     def trees(self) -> int:
         """The number of trees."""
-        return self.nodes.shape[0] // search._layout(self.capacity, self.fanout, self.top)[1][-1]
+        return self.nodes.shape[0] // node_layout(self.capacity, self.fanout, self.top)[1][-1]
 
     def tree(self, t: int) -> SumTree:
         """Tree `t` as a `SumTree` (a copy of its nodes)."""
         one = SumTree(self.capacity, self.fanout, self.top)
-        return eqx.tree_at(lambda tree: tree.nodes, one, self._grid()[t])
+        return eqx.tree_at(lambda tree: tree.nodes, one, self.node_grid()[t])
 
     def totals(self) -> Float[Array, " trees"]:
         """The total of each tree (its root)."""
-        return self._grid()[:, -1]
+        return self.node_grid()[:, -1]
 
     def values(self) -> Float[Array, "trees capacity"]:
         """The leaves of every tree."""
-        return self._grid()[:, : self.capacity]
+        return self.node_grid()[:, : self.capacity]
 
     def write(
         self,
@@ -86,10 +88,12 @@ class SumTrees(eqx.Module):
         for a repeated `(tree, leaf)`, on every platform, unless `unique_indices` promises
         there is none)."""
         tree, leaf = indices
-        nodes, trees = self._flat()
-        layout = search._layout(self.capacity, self.fanout, self.top)
+        nodes, trees = self.node_array()
+        layout = node_layout(self.capacity, self.fanout, self.top)
         tree = tree.astype(jnp.int32)
-        nodes = _write(nodes, layout, self.fanout, leaf, values, mask, unique_indices, tree, trees)
+        nodes = write_nodes(
+            nodes, layout, self.fanout, leaf, values, mask, unique_indices, tree, trees
+        )
         return eqx.tree_at(lambda t: t.nodes, self, nodes)
 
     def search(
@@ -97,20 +101,20 @@ class SumTrees(eqx.Module):
     ) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
         """`SumTree.search` of each `prefix[i]` in tree `tree[i]` (in `[0, totals()[tree[i]])`):
         the leaf of that tree found, and its value."""
-        sizes, offsets = search._layout(self.capacity, self.fanout, self.top)
-        nodes, trees = self._flat()
+        sizes, offsets = node_layout(self.capacity, self.fanout, self.top)
+        nodes, trees = self.node_array()
         # (the trees through a barrier: XLA computes them once, not in each gather's indices)
         tree, u = jax.lax.optimization_barrier((tree.astype(jnp.int32), prefix.astype(jnp.float32)))
         top = len(sizes) - 2
-        children = search._rows(
-            search._levels(nodes, top, sizes, offsets, trees), tree * sizes[top], sizes[top]
+        children = node_rows(
+            level_of_trees(nodes, top, sizes, offsets, trees), tree * sizes[top], sizes[top]
         )
-        node, before, value = search._descend(children, u)
-        return search._descend_from(self, top, node, u - before, value, tree)
+        node, before, value = search.descend(children, u)
+        return search.descend_from(self, top, node, u - before, value, tree)
 
     def block_totals(self, blocks: int) -> Float[Array, "trees blocks"]:
         """`SumTree.block_totals` of every tree."""
-        return search._block_runs(self, blocks)[2][..., -1]
+        return search.block_runs(self, blocks)[2][..., -1]
 
     def search_blocks(
         self, tree: Int[Array, "blocks per_block"], prefix: Float[Array, "blocks per_block"]
@@ -120,24 +124,24 @@ class SumTrees(eqx.Module):
         query reads the run of nodes of its own tree's block (`SumTree.search_blocks`' first
         level), then descends that tree."""
         blocks, per = prefix.shape
-        level, runs, running = search._block_runs(self, blocks)
+        level, runs, running = search.block_runs(self, blocks)
         width = runs.shape[-1]
         tree, u = jax.lax.optimization_barrier((tree.astype(jnp.int32), prefix.astype(jnp.float32)))
         block = jnp.arange(blocks, dtype=jnp.int32)[:, None]
         row = (tree * blocks + block).reshape(-1)  # (the tree's run of block b)
         runs, running = (x.reshape(-1, width)[row] for x in (runs, running))
-        child, before, value = search._enter_runs(runs, running, u.reshape(-1, 1))
+        child, before, value = search.enter_runs(runs, running, u.reshape(-1, 1))
         node = child.reshape(blocks, per) + block * width
         remainder = jnp.maximum(u.reshape(-1) - before.reshape(-1), 0.0)
-        leaves, values = search._descend_from(
+        leaves, values = search.descend_from(
             self, level, node.reshape(-1), remainder, value.reshape(-1), tree.reshape(-1)
         )
         return leaves.reshape(blocks, per), values.reshape(blocks, per)
 
-    def _flat(self) -> tuple[Float[Array, " nodes"], int]:
+    def node_array(self) -> tuple[Float[Array, " nodes"], int]:
         """The node arrays of every tree, end to end, and their number."""
         return self.nodes, self.trees
 
-    def _grid(self) -> Float[Array, "trees nodes"]:
+    def node_grid(self) -> Float[Array, "trees nodes"]:
         """The nodes, one row per tree."""
         return self.nodes.reshape(self.trees, -1)

@@ -13,12 +13,8 @@ from ._archive import (
     StepsLostError as StepsLostError,
     StepsLostWarning as StepsLostWarning,
 )
-from ._buffers._base import (
-    AbstractBuffer as AbstractBuffer,
-    Sample as Sample,
-    Transition as Transition,
-)
-from ._buffers._episodes import (
+from ._buffers._base import AbstractBuffer as AbstractBuffer
+from ._buffers._episode_trajectory import (
     EpisodeSample as EpisodeSample,
     EpisodeTrajectoryBuffer as EpisodeTrajectoryBuffer,
     PrioritisedEpisodeSample as PrioritisedEpisodeSample,
@@ -36,6 +32,7 @@ from ._buffers._prioritised import (
     PrioritisedTransitionBuffer as PrioritisedTransitionBuffer,
 )
 from ._buffers._queue import Queue as Queue
+from ._buffers._samples import Sample as Sample
 from ._buffers._sizes import Sizes as Sizes
 from ._buffers._trajectory import TrajectoryBuffer as TrajectoryBuffer
 from ._buffers._transition import TransitionBuffer as TransitionBuffer
@@ -48,7 +45,6 @@ from ._cluster import (
 )
 from ._errors import check as check, filter_jit as filter_jit
 from ._mixer import MixedSample as MixedSample, Mixer as Mixer
-from ._nstep import n_step_transition as n_step_transition, NStepTransition as NStepTransition
 from ._protocol import (
     AbstractPrioritisedSource as AbstractPrioritisedSource,
     AbstractReplayBuffer as AbstractReplayBuffer,
@@ -58,6 +54,8 @@ from ._ratelimit import RateLimited as RateLimited
 from ._ring import RingStorage as RingStorage
 from ._sharding import per_device as per_device, shard_rows as shard_rows
 from ._sumtree import SumTree as SumTree
+from .views._nstep import n_step_transition as n_step_transition, NStepTransition as NStepTransition
+from .views._pair import Transition as Transition
 
 
 __version__ = "0.1.0"

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree, Shaped, UInt32
 
-from ._buffers._base import Sample
 from ._buffers._epochs import no_epochs
+from ._buffers._samples import Sample
 from ._checks import check_key, check_positive_int, keystr, refuse_flashbax_only
 from ._custom_types import Beta, BoolScalar, IntScalar
 from ._errors import first_failure, poisoned, recorded

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
-from ._buffers._base import Sample
 from ._buffers._epochs import no_epochs
+from ._buffers._samples import Sample
 from ._checks import check_positive_int, refuse_flashbax_only
 from ._custom_types import BoolScalar, ExperienceBatch, StepCount
 from ._errors import error_if, recorded

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ._buffers._rules import AbstractRule
 from ._cluster import ClusterStorage
 from ._ring import RingStorage
+from .rules._base import AbstractRule
 
 
 _Tree = TypeVar("_Tree")

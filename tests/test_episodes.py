@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import equibuffer as eb
-from equibuffer._buffers._episodes import (
+from equibuffer._buffers._episode_trajectory import (
     EpisodeSample,
     EpisodeTrajectoryBuffer,
     PrioritisedEpisodeSample,

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import equibuffer as eb
-from equibuffer._nstep import n_step_transition, NStepTransition
+from equibuffer import n_step_transition, NStepTransition
 
 
 def _example():

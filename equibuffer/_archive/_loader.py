@@ -25,10 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int, PyTree, Shaped
 
-from .._buffers._views import AbstractView, NStepView, PairView
 from .._checks import check_positive_int
-from .._nstep import check_discount, check_leaves, check_n_step
 from .._ring import RingStorage
+from ..views._base import AbstractView
+from ..views._nstep import check_discount, check_leaves, check_n_step, NStepView
+from ..views._pair import PairView
 from ._archive import Archive
 from ._reader import Reader
 from ._sampler import generator, Seed

@@ -12,13 +12,14 @@ from .._custom_types import BoolScalar, ExperienceBatch, IntScalar, StepCount
 from .._errors import branched_error_if, error_if, record, recorded
 from .._protocol import AbstractReplayBuffer
 from .._ring import check_like, RingStorage
-from ._episode_ends import EpisodeEnds
-from ._epochs import check_epoch, Epoch, epoch_batch_windows, plan_epoch, still_held
-from ._priorities import check_priority
-from ._rules import AbstractPrioritisedRule, AbstractRule, AbstractUniformRule, count_held
-from ._samples import EpisodeSample, Sample, Transition as Transition
-from ._views import AbstractView, gather_by_blocks
-from ._window import Drawn, Request, Window
+from ..rules._base import AbstractPrioritisedRule, AbstractRule, AbstractUniformRule
+from ..rules._by_priority import check_priority
+from ..rules._episode_ends import EpisodeEnds
+from ..rules._request import Drawn, Request, Window
+from ..rules._valid import count_held, still_held
+from ..views._base import AbstractView, gather_by_blocks
+from ._epochs import check_epoch, Epoch, epoch_batch_windows, plan_epoch
+from ._samples import EpisodeSample, Sample
 
 
 _Buffer = TypeVar("_Buffer", bound="AbstractBuffer")
@@ -383,7 +384,7 @@ class AbstractBuffer(AbstractRingHolder, AbstractRowBlocked, AbstractReplayBuffe
                     f"a {type(self).__name__} draws its windows uniformly: drop `priority`."
                 )
             top = jnp.asarray(check_priority(where, priority), jnp.float32)
-            rule = rule.with_priorities(rule.tree, top)
+            rule = eqx.tree_at(lambda r: r.max_priority, rule, top)
         return self._with(storage, rule.updated(storage, self.window, restored=True))
 
     @recorded

@@ -21,7 +21,7 @@ from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray, UInt32
 from .._custom_types import Indices, IntScalar, Steps
 from .._errors import first_failure
 from .._ring import RingStorage
-from .._windows import start_steps, window_offsets
+from ..rules._valid import start_steps, window_offsets
 
 
 class Epoch(eqx.Module):
@@ -164,13 +164,6 @@ def check_epoch(where: str, epoch: Any, candidates: int, sizes: str) -> Epoch:
             "`epoch`."
         )
     return epoch
-
-
-def still_held(storage: RingStorage, indices: Indices, steps: Steps) -> Bool[Array, " batch"]:
-    """Whether the window at each flat index still starts at the absolute step `steps` (the
-    ring has not written over it since)."""
-    offset = window_offsets(storage, indices)
-    return (offset < storage.fill) & (start_steps(storage, offset) == steps)
 
 
 def no_epochs(where: str, why: str) -> NoReturn:

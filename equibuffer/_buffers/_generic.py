@@ -14,10 +14,11 @@ import equinox as eqx
 
 from .._custom_types import ExampleTree
 from .._ring import RingStorage
+from ..rules._base import AbstractRule, AbstractUniformRule
+from ..rules._uniform import UNIFORM
+from ..views._base import AbstractView
 from ._base import AbstractUniformBuffer
-from ._rules import AbstractRule, AbstractUniformRule, UNIFORM
 from ._sizes import configure, Sizes
-from ._views import AbstractView
 
 
 # A part, or (for the named buffers, whose arguments are checked against the example with

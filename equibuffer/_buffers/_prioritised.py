@@ -1,35 +1,55 @@
 """Prioritised replay (Schaul et al., 2016, proportional variant): the ring storage and the
 valid-window rule of the uniform buffers, with a `SumTree` holding one leaf per window start."""
 
-from typing import TypeVar, Unpack
+from typing import Any, TypeVar, Unpack
 
 import equinox as eqx
-from jaxtyping import ArrayLike, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._custom_types import Beta, ExampleTree, Steps
 from .._errors import recorded
 from .._protocol import AbstractPrioritisedSource
 from .._ring import RingStorage
 from .._sumtree import SumTree
+from ..rules._base import AbstractPrioritisedRule, AbstractRule
+from ..rules._by_priority import check_beta
+from ..rules._episode_ends import EpisodeEnd, Mode
+from ..rules._prioritised import prioritised
+from ..rules._prioritised_episodic import prioritised_episodic
+from ..rules._request import Request
+from ..views._base import AbstractView
+from ..views._item import ItemView
+from ..views._window import window_view
 from ._base import AbstractBuffer
-from ._episode_ends import EpisodeEnd, Mode
 from ._generic import check_rule, compose, Composed
-from ._priorities import (
-    check_beta,
-    check_priority_update,
-    RulePriorities,
-    set_by_priority,
-    update_target,
+from ._samples import (
+    PrioritisedEpisodeSample,
+    PrioritisedSample as PrioritisedSample,
+    priority_update,
+    Sample,
 )
-from ._rules import AbstractPrioritisedRule, AbstractRule, prioritised, prioritised_episodic
-from ._samples import PrioritisedEpisodeSample, PrioritisedSample as PrioritisedSample, Sample
 from ._sizes import Sizes
 from ._transition import transition_view
-from ._views import AbstractView, ItemView, window_view
-from ._window import Request
 
 
 _Prioritised = TypeVar("_Prioritised", bound="AbstractPrioritisedBuffer")
+
+
+class RulePriorities(eqx.Module):
+    """`max_priority` and `alpha` of a buffer whose rule keeps them: the prioritised ring
+    buffers and the prioritised clustered buffer."""
+
+    rule: eqx.AbstractVar[Any]
+
+    @property
+    def max_priority(self) -> Float[Array, ""]:
+        """The largest priority set so far (1 before any): what is added enters at it."""
+        return self.rule.max_priority
+
+    @property
+    def alpha(self) -> float:
+        """The priority exponent."""
+        return self.rule.alpha
 
 
 class AbstractPrioritisedBuffer(AbstractBuffer, RulePriorities, AbstractPrioritisedSource):
@@ -68,8 +88,16 @@ class AbstractPrioritisedBuffer(AbstractBuffer, RulePriorities, AbstractPrioriti
 
     @property
     def tree(self) -> SumTree:
-        """The [`equibuffer.SumTree`][] of `priority ** alpha`, one leaf per window start."""
-        return self.rule.tree
+        """The [`equibuffer.SumTree`][] of `priority ** alpha`, one leaf per window start, of
+        a rule that keeps one (`Prioritised`, `PrioritisedEpisodic`; a rule of your own that
+        keeps its priorities otherwise has none: then an `AttributeError`)."""
+        tree = getattr(self.rule, "tree", None)
+        if not isinstance(tree, SumTree):
+            raise AttributeError(
+                f"{type(self).__name__}.tree: its rule {type(self.rule).__name__} keeps its "
+                "priorities in no SumTree; read them from `buffer.rule`."
+            )
+        return tree
 
     @recorded
     def sample(
@@ -184,19 +212,8 @@ class AbstractPrioritisedBuffer(AbstractBuffer, RulePriorities, AbstractPrioriti
             ```
         """
         where = f"{type(self).__name__}.set_priorities()"
-        indices, steps, failed = update_target(where, sample, steps)
-        indices, steps, new, accepted = check_priority_update(
-            where, self.rule.tree.capacity, indices, steps, priorities, failed=failed
-        )
-        current = self.rule.current(self.storage, self.window, indices, steps) & accepted
-        tree, max_priority = set_by_priority(
-            lambda values, mask: self.rule.tree.write(indices, values, mask=mask),
-            self.rule.max_priority,
-            self.rule.alpha,
-            new,
-            current,
-        )
-        rule = self.rule.with_priorities(tree, max_priority)
+        update = priority_update(where, sample, priorities, steps)
+        rule = self.rule.reprioritised(self.storage, self.window, update)
         return eqx.tree_at(lambda b: b.rule, self, rule)
 
 

@@ -12,7 +12,7 @@ from .._checks import check_positive_int
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar
 from .._errors import error_if, recorded
 from .._ring import check_like, RingStorage
-from .._windows import gather_slots
+from ..views._gather import gather_slots
 from ._base import AbstractRingHolder, Sample, update_storage, UpdateFn
 from ._epochs import no_epochs
 from ._sizes import SizeArgs, Sizes

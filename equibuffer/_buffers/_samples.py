@@ -5,31 +5,11 @@ from typing import Any
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, PyTree, Shaped, UInt32
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, UInt32
 
 from .._custom_types import Indices, Steps
-from .._errors import first_failure, poisoned
-
-
-class Transition(eqx.Module):
-    """A batch of consecutive pairs of steps of one row: `first` at time `t`, `second` at
-    `t + 1`, each a tree with leaves `(batch, *leaf)`.
-
-    !!! example
-
-        ```python
-        import equibuffer as eb, jax, jax.numpy as jnp
-
-        buffer = eb.TransitionBuffer({"t": jnp.int32(0)}, add_batch_size=1, capacity=8)
-        buffer = buffer.add({"t": jnp.arange(5, dtype=jnp.int32)[None]})
-        pair = buffer.sample(jax.random.key(0), batch_size=16).experience
-        assert isinstance(pair, eb.Transition) and pair.first["t"].shape == (16,)
-        assert (pair.second["t"] == pair.first["t"] + 1).all()
-        ```
-    """
-
-    first: PyTree[Shaped[Array, "batch ..."]]
-    second: PyTree[Shaped[Array, "batch ..."]]
+from .._errors import first_failure, poisoned, record
+from ..rules._request import Update
 
 
 class Sample(eqx.Module):
@@ -164,3 +144,31 @@ class PrioritisedEpisodeSample(PrioritisedSample):
     """
 
     mask: Bool[Array, "batch sequence"]
+
+
+def priority_update(
+    where: str,
+    sample: Sample | Int[ArrayLike, " batch"],
+    priorities: Float[ArrayLike, " batch"],
+    steps: Steps | None,
+) -> Update:
+    """What a `set_priorities(sample, priorities, steps=...)` call asks of the rule: the
+    `(indices, steps)` of the sample, or the indices given with `steps=`, the priorities, and
+    whether the sample holds a recorded failure (its windows are then not what was asked
+    for: the update is refused, and the failure goes on to the buffer). The one preamble of
+    every `set_priorities`."""
+    if isinstance(sample, Sample):
+        if steps is not None:
+            raise TypeError(
+                f"{where}: `steps` is taken from the sample; pass either a Sample, or "
+                "indices with `steps=`."
+            )
+        record(sample.error)  # a failure recorded while drawing it goes on to the buffer
+        return Update(where, sample.indices, sample.steps, priorities, sample.error != 0)
+    if steps is None:
+        raise TypeError(
+            f"{where}: pass the whole sample (`buffer.set_priorities(sample, "
+            "priorities)`) or the indices with `steps=sample.steps`: the steps tell "
+            "which windows were overwritten since they were sampled."
+        )
+    return Update(where, sample, steps, priorities)

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, TypedDict
 from .._checks import check_positive_int, FLASHBAX_ONLY, flashbax_only_error
 from .._custom_types import ExampleTree
 from .._ring import RingStorage
-from ._views import AbstractView
+from ..views._base import AbstractView
 
 
 def _one_of(where: str, given: dict[str, int | None], expected: str) -> tuple[str, int] | None:

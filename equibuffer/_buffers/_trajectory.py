@@ -1,10 +1,10 @@
 from typing import Unpack
 
 from .._custom_types import ExampleTree
+from ..rules._uniform import UNIFORM
+from ..views._window import window_view
 from ._generic import Buffer, compose, init_buffer
-from ._rules import UNIFORM
 from ._sizes import Sizes
-from ._views import window_view
 
 
 class TrajectoryBuffer(Buffer):

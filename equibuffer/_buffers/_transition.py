@@ -1,13 +1,14 @@
 from typing import Unpack
 
 from .._custom_types import ExampleTree
-from .._nstep import check_discount, check_leaves, check_n_step
 from .._ring import RingStorage
-from ._episode_ends import EpisodeEnd, Mode
+from ..rules._episode_ends import EpisodeEnd, Mode
+from ..rules._episodic import episodic
+from ..rules._uniform import UNIFORM
+from ..views._nstep import check_discount, check_leaves, check_n_step, NStepView
+from ..views._pair import PairView
 from ._generic import Buffer, compose, init_buffer
-from ._rules import episodic, UNIFORM
 from ._sizes import Sizes
-from ._views import NStepView, PairView
 
 
 class TransitionBuffer(Buffer):

@@ -19,14 +19,8 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from .._buffers._base import AbstractRowBlocked
 from .._buffers._epochs import check_epoch, Epoch, epoch_batch_windows, shuffle_valid
-from .._buffers._priorities import (
-    check_alpha,
-    check_beta,
-    check_priority_update,
-    RulePriorities,
-    update_target,
-)
-from .._buffers._samples import Sample
+from .._buffers._prioritised import RulePriorities
+from .._buffers._samples import priority_update, Sample
 from .._checks import check_key, check_positive_int, check_row_blocks, refuse_flashbax_only
 from .._custom_types import (
     Beta,
@@ -39,8 +33,8 @@ from .._custom_types import (
 )
 from .._errors import error_if, record, recorded
 from .._protocol import AbstractPrioritisedSource, AbstractReplayBuffer
-from .._sumtree import SumTree
-from .._sumtree import SumTrees
+from .._sumtree import SumTree, SumTrees
+from ..rules._by_priority import check_alpha, check_beta
 from ._rules import AbstractClusterRule, ClusterRequest, PrioritisedInCluster, UniformInCluster
 from ._samples import ClusteredSample, PrioritisedClusteredSample
 from ._storage import ClusterStorage
@@ -725,19 +719,5 @@ class PrioritisedClusteredBuffer(
             ```
         """
         where = "PrioritisedClusteredBuffer.set_priorities()"
-        k, cap = self.num_clusters, self.cluster_capacity
-        indices, steps, failed = update_target(where, sample, steps)
-        indices, steps, new, accepted = check_priority_update(
-            where,
-            k * cap,
-            indices,
-            steps,
-            priorities,
-            bound="num_clusters * cluster_capacity",
-            failed=failed,
-        )
-        cluster, slot = indices // cap, indices % cap
-        held, number = self.storage.numbers(cluster, slot)
-        current = held & (number == steps) & accepted
-        rule = self.rule.with_priorities(cluster, slot, new, current)
-        return eqx.tree_at(lambda b: b.rule, self, rule)
+        update = priority_update(where, sample, priorities, steps)
+        return eqx.tree_at(lambda b: b.rule, self, self.rule.reprioritised(self.storage, update))

@@ -7,13 +7,19 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._buffers._priorities import check_draw, set_by_priority
+from .._barriers import read_once
 from .._custom_types import Steps
 from .._errors import error_if
-from .._barriers import read_once
 from .._sumtree import SumTrees
+from ..rules._by_priority import (
+    check_draw,
+    check_priority_update,
+    importance_weights,
+    set_by_priority,
+)
+from ..rules._request import Update
 from ._storage import ClusterStorage, Routed
 
 
@@ -188,9 +194,8 @@ class PrioritisedInCluster(AbstractClusterRule):
         )
         within = leaf / totals[cluster]
         probabilities = w[cluster] / jnp.sum(w) * within
-        # (n_c P(i | c))^-beta / max_j (n_c P(j | c))^-beta, as a ratio to the smallest (>= 1).
-        scaled = storage.fill[cluster].astype(jnp.float32) * within
-        weights = (scaled / jnp.min(scaled)) ** -beta
+        # (n_c P(i | c))^-beta / max_j (n_c P(j | c))^-beta.
+        weights = importance_weights(storage.fill[cluster].astype(jnp.float32) * within, beta)
         _, number = storage.numbers(cluster, slot)
         return ClusterDrawn(cluster, slot, number, probabilities, weights)
 
@@ -228,26 +233,29 @@ class PrioritisedInCluster(AbstractClusterRule):
         )
         within = leaf / _in_block(totals, cluster)
         probabilities = _in_block(w, cluster) / jnp.sum(w, axis=1, keepdims=True) * within
-        scaled = _in_block(items, cluster).astype(jnp.float32) * within
-        weights = (scaled / jnp.min(scaled, axis=1, keepdims=True)) ** -beta
+        weights = importance_weights(_in_block(items, cluster).astype(jnp.float32) * within, beta)
         cluster, slot, probabilities, weights = (
             x.reshape(-1) for x in (cluster, slot, probabilities, weights)
         )
         _, number = storage.numbers(cluster, slot)
         return ClusterDrawn(cluster, slot, number, probabilities, weights)
 
-    def with_priorities(
-        self,
-        cluster: Int[Array, " batch"],
-        slot: Int[Array, " batch"],
-        new: Float[Array, " batch"],
-        current: Bool[Array, " batch"],
-    ) -> "PrioritisedInCluster":
+    def reprioritised(self, storage: ClusterStorage, update: Update) -> "PrioritisedInCluster":
+        """The rule with the priorities of `update` applied (indices
+        `cluster * cluster_capacity + slot`), as a ring buffer's prioritised rule applies
+        them: checked, an item overwritten since it was drawn dropped, the last of repeated
+        updates winning, the largest priority applied kept."""
+        cap = storage.cluster_capacity
+        indices, steps, new, accepted = check_priority_update(
+            update, storage.num_clusters * cap, bound="num_clusters * cluster_capacity"
+        )
+        cluster, slot = indices // cap, indices % cap
+        held, number = storage.numbers(cluster, slot)
         trees, largest = set_by_priority(
             lambda values, mask: self.trees.write((cluster, slot), values, mask=mask),
             self.max_priority,
             self.alpha,
             new,
-            current,
+            held & (number == steps) & accepted,
         )
         return PrioritisedInCluster(trees=trees, max_priority=largest, alpha=self.alpha)

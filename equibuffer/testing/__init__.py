@@ -22,7 +22,9 @@ from ._models import (
     NStepView as NStepView,
     PairView as PairView,
     Priorities as Priorities,
+    rule_model as rule_model,
     UniformRule as UniformRule,
+    view_model as view_model,
     window_of as window_of,
     WindowView as WindowView,
 )
@@ -56,7 +58,9 @@ __all__ = [
     "PairView",
     "Priorities",
     "QueueReference",
+    "rule_model",
     "UniformRule",
+    "view_model",
     "window_of",
     "WindowView",
 ]

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import ArrayLike, Bool, Float, Integer, PyTree, Shaped
 
+from .. import rules, views
+
 
 _Window = tuple[int, int]  # (row, absolute start step)
 # A tree of the steps a model holds. Checked by pyright; at run time (where the tests' import
@@ -587,3 +589,51 @@ class Priorities:
     def probability(self, window: Hashable) -> float:
         """The probability with which a sample draws `window`."""
         return self.leaf(window) / self.total()
+
+
+def rule_model(rule: Any, window: Any) -> "UniformRule | EpisodeRule | Any":
+    """The reference model of a buffer's rule for its `window` (an
+    [`equibuffer.rules.Window`][]): for the library's own rules, found here by their type
+    (the library imports nothing of `equibuffer.testing`); for a rule of your own, what its
+    `reference(window)` returns (`NotImplementedError` when it declares none).
+
+    !!! example
+
+        ```python
+        import equibuffer as eb
+        from equibuffer.testing import EpisodeRule, rule_model
+
+        window = eb.rules.Window(2, 1, "2 steps")
+        assert isinstance(rule_model(eb.rules.Episodic(mode="pad"), window), EpisodeRule)
+        ```
+    """
+    if isinstance(rule, rules.Uniform | rules.Prioritised | rules.RankPrioritised):
+        return UniformRule(window.length, window.period)
+    if isinstance(rule, rules.Episodic | rules.PrioritisedEpisodic):
+        e = rule.episodes
+        return EpisodeRule(window.length, window.period, e.mode, e.episode_end)
+    return rule.reference(window)
+
+
+def view_model(view: Any) -> "WindowView | PairView | ItemView | NStepView | Any":
+    """The reference model of a buffer's view: for the library's own views, found here by
+    their type; for a view of your own, what its `reference()` returns.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb
+        from equibuffer.testing import view_model, WindowView
+
+        assert view_model(eb.views.WindowView(3)) == WindowView(3)
+        ```
+    """
+    if isinstance(view, views.WindowView):
+        return WindowView(view.sequence_length)
+    if isinstance(view, views.PairView):
+        return PairView()
+    if isinstance(view, views.ItemView):
+        return ItemView()
+    if isinstance(view, views.NStepView):
+        return NStepView(view.n, view.discount, view.reward, view.terminated, view.truncated)
+    return view.reference()

@@ -35,10 +35,10 @@ from .._buffers._samples import (
     PrioritisedEpisodeSample,
     PrioritisedSample,
     Sample,
-    Transition,
 )
-from .._nstep import NStepTransition
-from ..rules import AbstractPrioritisedRule
+from ..rules import Prioritised, PrioritisedEpisodic
+from ..views._nstep import NStepTransition
+from ..views._pair import Transition
 from ._models import (
     _aligned_starts,
     _named,
@@ -49,7 +49,9 @@ from ._models import (
     NStepView,
     PairView,
     Priorities,
+    rule_model,
     UniformRule,
+    view_model,
     window_of,
     WindowView,
 )
@@ -199,14 +201,16 @@ class BufferReference:
             )
         rows = buffer.add_batch_size
         length = buffer.capacity // rows
-        # Each part declares its own model (`reference` of the rule and of the view).
+        # The library's own parts have their models here, by type; a part of a user's own
+        # declares its model itself (`reference` of the rule and of the view).
         rule = buffer.rule
         try:
-            model = rule.reference(buffer.window)
-            view = buffer.view.reference()
+            model = rule_model(rule, buffer.window)
+            view = view_model(buffer.view)
         except NotImplementedError as e:
             raise NotImplementedError(f"{where}: {e}") from None
-        alpha = rule.alpha if isinstance(rule, AbstractPrioritisedRule) else None
+        # The proportional priorities' model (a rule drawing by rank has none).
+        alpha = rule.alpha if isinstance(rule, Prioritised | PrioritisedEpisodic) else None
         # Steps per row before `can_sample()` (a Queue has no minimum: its sequence).
         minimum = getattr(buffer, "min_length_time_axis", None)
         return cls(

@@ -18,7 +18,10 @@ from hypothesis.strategies import SearchStrategy
 from jaxtyping import Array, PyTree, Shaped
 
 from .._buffers._base import AbstractBuffer
-from .._buffers._episodes import EpisodeTrajectoryBuffer, PrioritisedEpisodeTrajectoryBuffer
+from .._buffers._episode_trajectory import (
+    EpisodeTrajectoryBuffer,
+    PrioritisedEpisodeTrajectoryBuffer,
+)
 from .._buffers._item import ItemBuffer
 from .._buffers._prioritised import (
     PrioritisedItemBuffer,

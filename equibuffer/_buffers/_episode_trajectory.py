@@ -15,16 +15,17 @@ from jaxtyping import Array, Bool, Int
 
 from .._custom_types import ExampleTree
 from .._sumtree import SumTree
-from ._episode_ends import EpisodeEnd, Mode
+from ..rules._episode_ends import EpisodeEnd, Mode
+from ..rules._episodic import Episodic, episodic
+from ..rules._prioritised_episodic import prioritised_episodic, PrioritisedEpisodic
+from ..views._window import window_view
 from ._generic import Buffer, compose, init_buffer
 from ._prioritised import init_prioritised, PrioritisedBuffer
-from ._rules import Episodic, episodic, prioritised_episodic, PrioritisedEpisodic
 from ._samples import (
     EpisodeSample as EpisodeSample,
     PrioritisedEpisodeSample as PrioritisedEpisodeSample,
 )
 from ._sizes import Sizes
-from ._views import window_view
 
 
 def _episodic(rule: object) -> "Episodic | PrioritisedEpisodic":

@@ -15,7 +15,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PyTree, Shaped
 
-from ._checks import check_positive_int
+from .._checks import check_positive_int
+from .._custom_types import Indices
+from .._ring import RingStorage
+from ._base import AbstractView, Mask, zero_where_not
 
 
 class NStepTransition(eqx.Module):
@@ -253,3 +256,64 @@ def n_step_from_storage(
         discount=bootstrap,
         steps=steps,
     )
+
+
+class NStepView(AbstractView):
+    """n-step transitions ([`equibuffer.NStepTransition`][]) from `n + 1` consecutive steps,
+    cut at episode ends (see [`equibuffer.n_step_transition`][] for the convention): the
+    view of `TransitionBuffer(n_step=n)`. Nothing is stored twice: the sums are computed
+    from the stored steps at sample time.
+
+    **Arguments:** `n` (at least 1), `discount` (in `[0, 1]`), and the names of the float
+    `reward` leaf and the bool `terminated` and `truncated` leaves (`truncated=None` when
+    there is none), checked against the example when a buffer is built.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        example = {"reward": jnp.float32(0), "terminated": jnp.bool_(False)}
+        view = eb.views.NStepView(n=2, discount=0.5, truncated=None)
+        buffer = eb.Buffer(example, add_batch_size=1, capacity=8, view=view)
+        buffer = buffer.add({"reward": jnp.ones((1, 4)), "terminated": jnp.zeros((1, 4), bool)})
+        sample = buffer.sample(jax.random.key(0), batch_size=4)
+        assert jnp.allclose(sample.experience.reward, 1 + 0.5)
+        ```
+    """
+
+    n: int = eqx.field(static=True)
+    discount: float = eqx.field(static=True)
+    reward: str = eqx.field(static=True, default="reward")
+    terminated: str = eqx.field(static=True, default="terminated")
+    truncated: str | None = eqx.field(static=True, default="truncated")
+
+    def checked(self, where: str, storage: RingStorage) -> "NStepView":
+        n, discount = check_n_step(where, self.n), check_discount(where, self.discount)
+        check_leaves(where, storage.example(), self.reward, self.terminated, self.truncated)
+        return NStepView(n, discount, self.reward, self.terminated, self.truncated)
+
+    @property
+    def window_length(self) -> int:
+        return self.n + 1
+
+    def gather(self, storage: RingStorage, indices: Indices, mask: Mask | None) -> Any:
+        names = (self.reward, self.terminated, self.truncated)
+        return n_step_from_storage(storage, indices, self.n, self.discount, *names, within=mask)
+
+    def padded(self, experience: Any, mask: Bool[Array, "batch window"]) -> Any:
+        # The sums stop at an end already; `second` (the step after the last one summed) lies
+        # past the end when the episode ended within the n steps: zero, as the mask says.
+        inside = jnp.take_along_axis(mask, experience.steps[:, None], axis=1)[:, 0]
+        return eqx.tree_at(
+            lambda e: e.second, experience, zero_where_not(inside, experience.second)
+        )
+
+    @property
+    def window_name(self) -> str:
+        return f"n_step + 1 = {self.n + 1} steps"
+
+    def needs(self, steps: int) -> str:
+        return (
+            f"at least {steps} steps per row (n_step + 1 = {self.n + 1} make one n-step transition)"
+        )

@@ -7,24 +7,46 @@ windows start at offsets `first, first + period, ...`, `count` of them per row; 
 function of the ring's counters only, never of the stored data.
 """
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree, Shaped
+import numpy as np
+from jaxtyping import Array, Bool, Int, PRNGKeyArray, Shaped
 
-from ._custom_types import Indices, IntScalar, Steps
-from ._ring import RingStorage
+from .._custom_types import Indices, IntScalar, Steps
+from .._ring import RingStorage
+from ._request import Window
+
+
+def span_layout(phase: Any, held: Any, sequence_length: int, period: int, xp: Any = jnp) -> Any:
+    """The valid-window rule itself, for any run of `held` consecutive steps whose oldest
+    step's absolute number is `phase` modulo `period`: `(first, count)`, the offset from the
+    oldest step of the first window start on the period, and the number of windows of
+    `sequence_length` steps that fit in the run. Written once for the ring's counters inside
+    jit (`xp=jax.numpy`, `window_layout`) and for an archive's committed segments on the host
+    (`xp=numpy`, `segment_starts`)."""
+    first = (period - phase) % period
+    span = held - sequence_length
+    count = xp.where(span >= first, (span - first) // period + 1, 0)
+    return first, count
+
+
+def segment_starts(start: int, end: int, sequence_length: int, period: int) -> tuple[int, int]:
+    """`(first, count)` for the steps `[start, end)` of one row (absolute step numbers, on
+    the host): the absolute step of the first window start and the number of windows of
+    `sequence_length` steps in the segment (the archive's sampler and loader)."""
+    first, count = span_layout(start % period, end - start, sequence_length, period, np)
+    return start + int(first), int(count)
 
 
 def window_layout(
     storage: RingStorage, sequence_length: int, period: int
 ) -> tuple[IntScalar, IntScalar]:
     """`(first, count)`: the offset from the oldest held step of the first valid window start,
-    and the number of valid windows per row."""
+    and the number of valid windows per row (`span_layout` of the ring's held steps)."""
     oldest_phase = (storage.count_mod(period) - storage.fill % period) % period
-    first = (period - oldest_phase) % period
-    span = storage.fill - sequence_length
-    count = jnp.where(span >= first, (span - first) // period + 1, 0)
-    return first, count
+    return span_layout(oldest_phase, storage.fill, sequence_length, period)
 
 
 def window_at(
@@ -47,18 +69,49 @@ def start_steps(storage: RingStorage, offset: Int[Array, "*b"]) -> Shaped[Array,
     return storage.count_lo - storage.fill.astype(jnp.uint32) + offset.astype(jnp.uint32)
 
 
+def held_on_period(
+    storage: RingStorage, offsets: Int[Array, "*b"], sequence_length: int, period: int
+) -> tuple[Bool[Array, "*b"], Bool[Array, "*b"]]:
+    """For the window starting `offsets` steps after the oldest held step (any integer:
+    negative or past the fill is not held): whether its start is held and on the period
+    (`aligned`; what the episode rule's `pad` mode starts from), and whether it is also
+    complete (`whole`: valid by the counters). The one statement of the rule
+    `window_layout` counts."""
+    first, count = window_layout(storage, sequence_length, period)
+    rel = offsets - first
+    aligned = (offsets >= 0) & (rel >= 0)
+    if period == 1:  # (static: no integer division, a dozen ops each on CPU)
+        return aligned & (offsets < storage.fill), aligned & (rel < count)
+    aligned = aligned & (rel % period == 0)
+    return aligned & (offsets < storage.fill), aligned & (rel // period < count)
+
+
 def windows_held(
     storage: RingStorage, offsets: Int[Array, "*b"], sequence_length: int, period: int
 ) -> Bool[Array, "*b"]:
-    """Whether the window starting `offsets` steps after the oldest held step (any integer:
-    negative or past the fill is not held) is valid by the counters: held, complete and
-    starting at a multiple of `period`. The one statement of the rule `window_layout` counts."""
-    first, count = window_layout(storage, sequence_length, period)
-    rel = offsets - first
-    valid = (offsets >= 0) & (rel >= 0)
-    if period == 1:  # (static: no integer division, a dozen ops each on CPU)
-        return valid & (rel < count)
-    return valid & (rel % period == 0) & (rel // period < count)
+    """Whether the window starting `offsets` steps after the oldest held step is valid by the
+    counters: held, complete and starting at a multiple of `period` (see `held_on_period`)."""
+    return held_on_period(storage, offsets, sequence_length, period)[1]
+
+
+def count_held(storage: RingStorage, window: Window) -> IntScalar:
+    """The number of windows valid by the counters, over all rows."""
+    return window_layout(storage, window.length, window.period)[1] * storage.rows
+
+
+def held_starts(storage: RingStorage, window: Window) -> Bool[Array, "rows length"]:
+    """Whether the window starting at each slot is valid by the counters, in every row."""
+    offsets = window_offsets(storage, jnp.arange(storage.length, dtype=jnp.int32))
+    held = windows_held(storage, offsets, window.length, window.period)
+    return jnp.broadcast_to(held, (storage.rows, storage.length))
+
+
+def still_held(storage: RingStorage, indices: Indices, steps: Steps) -> Bool[Array, " batch"]:
+    """Whether the window at each flat index still starts at the absolute step `steps` (the
+    ring has not written over it since it was drawn or planned): the test of every
+    `set_priorities` and of every epoch batch."""
+    offset = window_offsets(storage, indices)
+    return (offset < storage.fill) & (start_steps(storage, offset) == steps)
 
 
 def changed_offsets(storage: RingStorage, keep: int, sequence_length: int) -> Int[Array, " m"]:
@@ -110,53 +163,3 @@ def window_steps(
     row, slot = indices // length, indices % length
     steps = (slot[:, None] + jnp.arange(sequence_length, dtype=slot.dtype)[None, :]) % length
     return row[:, None] * length + steps
-
-
-def gather(
-    storage: RingStorage, indices: Indices, sequence_length: int
-) -> PyTree[Shaped[Array, "batch sequence ..."]]:
-    """The `sequence_length` steps starting at each flat window index, leaves
-    `(batch, sequence_length, *leaf)`."""
-    flat = window_steps(storage.length, indices, sequence_length)
-
-    def take(leaf: Array) -> Array:
-        return leaf.reshape(-1, *leaf.shape[2:]).at[flat].get(mode="promise_in_bounds")
-
-    return jax.tree.map(take, storage.data)
-
-
-def gather_steps(
-    storage: RingStorage, indices: Indices, sequence_length: int
-) -> list[PyTree[Shaped[Array, "batch ..."]]]:
-    """Step `j` of the window at each flat index, for `j < sequence_length`: one tree with
-    leaves `(batch, *leaf)` per step, each gathered straight from the ring (no
-    `(batch, sequence_length, *leaf)` intermediate to slice, which costs a copy)."""
-    length = storage.length
-    row, slot = indices // length, indices % length
-
-    def step(j: int) -> PyTree[Shaped[Array, "batch ..."]]:
-        flat = row * length + (slot + j) % length
-        return jax.tree.map(
-            lambda leaf: leaf.reshape(-1, *leaf.shape[2:]).at[flat].get(mode="promise_in_bounds"),
-            storage.data,
-        )
-
-    return [step(j) for j in range(sequence_length)]
-
-
-def gather_slots(
-    storage: RingStorage, slots: Int[Array, " sequence"]
-) -> PyTree[Shaped[Array, "rows sequence ..."]]:
-    """The steps at `slots` of every row, leaves `(rows, len(slots), *leaf)`: a gather
-    batched over the rows, each row indexing its own steps. With the rows split over devices
-    (`shard_rows`) every device reads its own rows and the result stays split like them (a
-    flat `gather` of the same windows is combined across devices); on one device it is one
-    gather of the same elements. The slots are broadcast to every row on purpose: unbatched,
-    they would make the rows a pass-through axis of the gather, which comes out time-major
-    and costs a transposing copy."""
-    per_row = jnp.broadcast_to(slots, (storage.rows, *slots.shape))
-
-    def take(leaf: Array) -> Array:
-        return jax.vmap(lambda row, i: row.at[i].get(mode="promise_in_bounds"))(leaf, per_row)
-
-    return jax.tree.map(take, storage.data)

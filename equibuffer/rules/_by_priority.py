@@ -4,41 +4,39 @@ the write of new priorities (stale updates dropped, the largest priority seen ke
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, runtime_checkable, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
+from .._barriers import read_once
 from .._custom_types import BoolScalar, Indices, Steps
-from .._errors import branched_error_if, record
+from .._errors import branched_error_if
 from .._ring import RingStorage
 from .._sumtree import SumTree
-from .._barriers import read_once
-from .._windows import start_steps, window_offsets
-from ._samples import Sample
-from ._window import Drawn, Request
+from ._request import Drawn, Request, Update
+from ._valid import start_steps, window_offsets
 
 
 _Tree = TypeVar("_Tree")
 
 
-class RulePriorities(eqx.Module):
-    """`max_priority` and `alpha` of a buffer whose rule keeps them: the prioritised ring
-    buffers and the prioritised clustered buffer."""
-
-    rule: eqx.AbstractVar[Any]
-
-    @property
-    def max_priority(self) -> Float[Array, ""]:
-        """The largest priority set so far (1 before any): what is added enters at it."""
-        return self.rule.max_priority
+@runtime_checkable
+class TreeKept(Protocol):
+    """A prioritised rule that keeps `priority ** alpha` in a `SumTree`, beside the largest
+    priority set so far and the exponent (`Prioritised`, `PrioritisedEpisodic`)."""
 
     @property
-    def alpha(self) -> float:
-        """The priority exponent."""
-        return self.rule.alpha
+    def tree(self) -> SumTree: ...
+    @property
+    def max_priority(self) -> Float[Array, ""]: ...
+    @property
+    def alpha(self) -> float: ...
+
+
+_Kept = TypeVar("_Kept", bound=TreeKept)
 
 
 def check_alpha(where: str, alpha: Any) -> float:
@@ -111,55 +109,25 @@ def draw_by_priority(
         indices, failure, beta, where, priority_messages(where, not_ready, no_window, blocks)
     )
     probabilities = leaves / totals
-    # (N P(i))^-beta / max_j (N P(j))^-beta, written so that it neither over- nor
-    # underflows: every sampled P(i) > 0, and the ratio to the smallest is >= 1.
-    smallest = jnp.min(probabilities, axis=-1, keepdims=True)
-    weights = (probabilities / smallest) ** -beta
+    weights = importance_weights(probabilities, beta)
     indices, probabilities, weights = (x.reshape(-1) for x in (indices, probabilities, weights))
     steps = start_steps(storage, window_offsets(storage, indices))
     return Drawn(indices, steps, probabilities, weights)
 
 
-def update_target(
-    where: str, sample: Sample | Int[ArrayLike, " batch"], steps: Steps | None
-) -> tuple[Int[ArrayLike, " batch"], Steps, Bool[ArrayLike, ""]]:
-    """The `(indices, steps)` a `set_priorities(sample, priorities, steps=...)` call names:
-    those of the sample, or the indices given with `steps=`; and whether the sample holds a
-    recorded failure (its windows are then not what was asked for: the update is refused)."""
-    if isinstance(sample, Sample):
-        if steps is not None:
-            raise TypeError(
-                f"{where}: `steps` is taken from the sample; pass either a Sample, or "
-                "indices with `steps=`."
-            )
-        record(sample.error)  # a failure recorded while drawing it goes on to the buffer
-        return sample.indices, sample.steps, sample.error != 0
-    if steps is None:
-        raise TypeError(
-            f"{where}: pass the whole sample (`buffer.set_priorities(sample, "
-            "priorities)`) or the indices with `steps=sample.steps`: the steps tell "
-            "which windows were overwritten since they were sampled."
-        )
-    return sample, steps, False
-
-
 def check_priority_update(
-    where: str,
-    capacity: int,
-    indices: Int[ArrayLike, " batch"],
-    steps: Steps,
-    priorities: Float[ArrayLike, " batch"],
-    bound: str = "add_batch_size * max_length_time_axis",
-    failed: Bool[ArrayLike, ""] = False,
+    update: Update, capacity: int, bound: str = "add_batch_size * max_length_time_axis"
 ) -> tuple[Indices, Steps, Float[Array, " batch"], Bool[Array, ""]]:
     """The arguments of `set_priorities`, checked: shapes and dtypes at trace time, values
     (indices in range `[0, capacity)`, named `bound` in the error; priorities non-negative
     and finite) inside jit. Also returns whether the update may be applied (0-d bool): not
-    when a value check fails, nor for a sample that holds a failure (`failed`). A refused
-    update changes no priority: the caller masks every entry with it."""
-    indices = jnp.asarray(indices)
-    steps = jnp.asarray(steps)
-    new = jnp.asarray(priorities)
+    when a value check fails, nor for a sample that holds a failure (`update.failed`). A
+    refused update changes no priority: the caller masks every entry with it. Every
+    prioritised rule's `reprioritised` starts here."""
+    where = update.where
+    indices = jnp.asarray(update.indices)
+    steps = jnp.asarray(update.steps)
+    new = jnp.asarray(update.priorities)
     if indices.ndim != 1 or not jnp.issubdtype(indices.dtype, jnp.integer):
         raise TypeError(
             f"{where}: `indices` must be a 1-d integer array, got shape {indices.shape} "
@@ -187,7 +155,7 @@ def check_priority_update(
             "infinite priority was given).",
         ],
     )
-    return indices, steps, new, ~(bad | failed)
+    return indices, steps, new, ~(bad | update.failed)
 
 
 def set_by_priority(
@@ -204,6 +172,36 @@ def set_by_priority(
     tree = write(values, current)
     applied = jnp.max(jnp.where(current, new, 0.0))
     return tree, jnp.maximum(max_priority, applied)
+
+
+def reprioritised_tree(
+    rule: _Kept,
+    update: Update,
+    current: Callable[[Indices, Steps], Bool[Array, " batch"]],
+) -> _Kept:
+    """`reprioritised` of a rule that keeps `priority ** alpha` in a `SumTree` (`rule.tree`)
+    beside `rule.max_priority` and `rule.alpha`: the update checked, the entries that are
+    not `current(indices, steps)` (still the window drawn, and valid) dropped."""
+    tree = rule.tree
+    indices, steps, new, accepted = check_priority_update(update, tree.capacity)
+    tree, max_priority = set_by_priority(
+        lambda values, mask: tree.write(indices, values, mask=mask),
+        rule.max_priority,
+        rule.alpha,
+        new,
+        current(indices, steps) & accepted,
+    )
+    return eqx.tree_at(lambda r: (r.tree, r.max_priority), rule, (tree, max_priority))
+
+
+def importance_weights(
+    scaled: Float[Array, "*blocks batch"], beta: Float[Array, ""]
+) -> Float[Array, "*blocks batch"]:
+    """The importance weights `(N P(i))^-beta / max_j (N P(j))^-beta` of draws whose
+    `scaled` probabilities are `N P(i)` (any positive multiple of them along the last axis:
+    one batch, or one per block), written so that they neither over- nor underflow: every
+    drawn probability is positive, and the ratio to the smallest is at least 1."""
+    return (scaled / jnp.min(scaled, axis=-1, keepdims=True)) ** -beta
 
 
 def check_draw(

@@ -13,8 +13,8 @@ from jaxtyping import Array, Bool, Int, PyTree, Shaped
 from .._checks import keystr
 from .._custom_types import Indices
 from .._ring import Appended, RingStorage
-from .._windows import offset_slots, window_layout, window_offsets, window_steps, windows_held
-from ._window import Window
+from ._request import Window
+from ._valid import held_on_period, offset_slots, window_offsets, window_steps
 
 
 # A leaf name, or `step -> 0-d bool` (its output is checked at construction, with a message).
@@ -114,14 +114,10 @@ class EpisodeEnds(eqx.Module):
             crossed = jnp.any(flags & (inner < storage.fill)[None], axis=-1)
         else:
             crossed = jnp.zeros((storage.rows, offsets.shape[0]), jnp.bool_)
+        aligned, whole = held_on_period(storage, offsets, s, period)
         if self.mode == "never_cross":
-            held = windows_held(storage, offsets, s, period)
-            return held[None, :] & ~crossed, slots
+            return whole[None, :] & ~crossed, slots
         # pad: a held, aligned start whose window is complete or cut by an end.
-        first, _ = window_layout(storage, s, period)
-        rel = offsets - first
-        aligned = (offsets >= 0) & (offsets < storage.fill) & (rel >= 0) & (rel % period == 0)
-        whole = aligned & (offsets + s <= storage.fill)
         return aligned[None, :] & (whole[None, :] | crossed), slots
 
     def mask(

@@ -4,7 +4,7 @@ types every rule and every buffer share (public as `equibuffer.rules.Window`,
 
 from typing import NamedTuple
 
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from .._custom_types import BoolScalar, Indices, Steps
 
@@ -83,3 +83,30 @@ class Drawn(NamedTuple):
     steps: Steps
     probabilities: Float[Array, " batch"] | None = None
     weights: Float[Array, " batch"] | None = None
+
+
+class Update(NamedTuple):
+    """What a buffer's `set_priorities` asks of its prioritised rule's `reprioritised`: the
+    new `priorities` (before the exponent) of the windows at the flat `indices` that were
+    drawn starting at the absolute `steps`; `failed` (0-d bool) when the sample they came
+    from holds a recorded failure, which refuses the whole update; errors start with `where`.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        buffer = eb.PrioritisedItemBuffer({"x": jnp.zeros(())}, add_batch_size=1, capacity=4)
+        buffer = buffer.add({"x": jnp.arange(3.0)[None]})
+        sample = buffer.sample(jax.random.key(0), batch_size=2)
+        update = eb.rules.Update("update", sample.indices, sample.steps, jnp.full(2, 5.0))
+        rule = buffer.rule.reprioritised(buffer.storage, buffer.window, update)
+        assert float(rule.max_priority) == 5.0
+        ```
+    """
+
+    where: str
+    indices: Int[ArrayLike, " batch"]
+    steps: Steps
+    priorities: Float[ArrayLike, " batch"]
+    failed: Bool[ArrayLike, ""] = False

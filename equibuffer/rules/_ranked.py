@@ -167,7 +167,7 @@ def _draw_by_rank(
     # Valid entries first, largest priority first; a stable sort keeps ties by index.
     order = jnp.argsort(jnp.where(valid, -priorities, jnp.inf), stable=True).astype(jnp.int32)
     rank = jnp.arange(1, valid.shape[0] + 1, dtype=jnp.float32)
-    mass = jnp.where(rank <= count, rank**-alpha, 0.0)
+    mass = jnp.where(rank <= count.astype(jnp.float32), rank**-alpha, 0.0)
     running = jnp.cumsum(mass)
     total = running[-1]
     u = jnp.arange(batch_size, dtype=jnp.float32) + jax.random.uniform(key, (batch_size,))

@@ -13,6 +13,7 @@ batch is masked where it runs short. Two groups are resident at a time: the one 
 drawn from, and the next one, read meanwhile.
 """
 
+import bisect
 import dataclasses
 import queue
 import threading
@@ -27,6 +28,7 @@ from jaxtyping import Array, Bool, Int, PyTree, Shaped
 
 from .._checks import check_positive_int
 from .._ring import RingStorage
+from ..rules._valid import segment_starts
 from ..views._base import AbstractView
 from ..views._nstep import check_discount, check_leaves, check_n_step, NStepView
 from ..views._pair import PairView
@@ -98,14 +100,20 @@ def _valid_starts(
     segments: list[tuple[int, int]], lo: int, hi: int, window: int, period: int
 ) -> np.ndarray:
     """The starts in `[lo, hi)` that are multiples of `period` and whose window lies inside
-    one segment."""
-    s = np.arange(-(-lo // period) * period, hi, period, dtype=np.int64)
-    if not len(s) or not segments:
-        return s[:0]
-    a = np.array([x for x, _ in segments], np.int64)
-    b = np.array([y for _, y in segments], np.int64)
-    i = np.searchsorted(a, s, side="right") - 1
-    return s[(i >= 0) & (s + window <= b[np.maximum(i, 0)])]
+    one segment (`segments`: sorted and disjoint, as `Commit.segments` gives them): each
+    segment's valid starts by the window rule (`segment_starts`), cut to `[lo, hi)`."""
+    parts = []
+    for i in range(bisect.bisect_right(segments, lo, key=lambda ab: ab[1]), len(segments)):
+        a, b = segments[i]  # (the segments from the first that ends after `lo`)
+        if a >= hi:
+            break
+        first, count = segment_starts(a, b, window, period)
+        k_lo = max(0, -(-(lo - first) // period))  # the first of them at or after `lo`
+        k_hi = min(count, -(-(hi - first) // period))  # and past the last before `hi`
+        if k_hi > k_lo:
+            starts = first + k_lo * period, first + k_hi * period
+            parts.append(np.arange(*starts, period, dtype=np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
 class ArchiveLoader:

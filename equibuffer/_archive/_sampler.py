@@ -10,6 +10,7 @@ import numpy as np
 from jaxtyping import Array, Int, Key, PyTree, Shaped, UInt32
 
 from .._checks import check_positive_int
+from ..rules._valid import segment_starts
 from ._chunks import Chunks, LeafIO, Shards
 from ._reader import Reader
 from ._store import run_all
@@ -104,8 +105,7 @@ def window_starts(reader: Reader, seq: int, period: int) -> tuple[list[int], lis
     `period`) and the number of windows of `seq` steps in it, for one row."""
     firsts, counts = [], []
     for a, b in reader.commit.segments():
-        first = -(-a // period) * period
-        count = (b - seq - first) // period + 1 if b - seq >= first else 0
+        first, count = segment_starts(a, b, seq, period)
         if count > 0:
             firsts.append(first)
             counts.append(count)

@@ -13,6 +13,12 @@ except ImportError as error:  # pragma: no cover (tested in a subprocess)
         "`pip install equibuffer[testing]` (or `pip install hypothesis`)."
     ) from error
 
+from ._configs import (
+    buffer_configs as buffer_configs,
+    BufferConfig as BufferConfig,
+    buffers as buffers,
+)
+from ._examples import examples as examples, leaves as leaves
 from ._models import (
     EpisodeRule as EpisodeRule,
     flat_index as flat_index,
@@ -29,15 +35,7 @@ from ._models import (
     WindowView as WindowView,
 )
 from ._reference import BufferReference as BufferReference, QueueReference as QueueReference
-from ._strategies import (
-    batches as batches,
-    buffer_configs as buffer_configs,
-    BufferConfig as BufferConfig,
-    buffers as buffers,
-    examples as examples,
-    filled_buffers as filled_buffers,
-    leaves as leaves,
-)
+from ._strategies import batches as batches, filled_buffers as filled_buffers
 
 
 __all__ = [

@@ -13,7 +13,10 @@ from ._archive import (
     StepsLostError as StepsLostError,
     StepsLostWarning as StepsLostWarning,
 )
-from ._buffers._base import AbstractBuffer as AbstractBuffer
+from ._buffers._base import (
+    AbstractBuffer as AbstractBuffer,
+    AbstractUniformBuffer as AbstractUniformBuffer,
+)
 from ._buffers._episode_trajectory import (
     EpisodeSample as EpisodeSample,
     EpisodeTrajectoryBuffer as EpisodeTrajectoryBuffer,
@@ -32,7 +35,11 @@ from ._buffers._prioritised import (
     PrioritisedTransitionBuffer as PrioritisedTransitionBuffer,
 )
 from ._buffers._queue import Queue as Queue
-from ._buffers._samples import Sample as Sample
+from ._buffers._samples import (
+    AbstractPrioritisedSample as AbstractPrioritisedSample,
+    AbstractSample as AbstractSample,
+    Sample as Sample,
+)
 from ._buffers._sizes import Sizes as Sizes
 from ._buffers._trajectory import TrajectoryBuffer as TrajectoryBuffer
 from ._buffers._transition import TransitionBuffer as TransitionBuffer

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree, Shaped, UInt32
 
 from ._buffers._epochs import no_epochs
-from ._buffers._samples import Sample
+from ._buffers._samples import AbstractSample
 from ._checks import check_key, check_positive_int, keystr, refuse_flashbax_only
 from ._custom_types import Beta, BoolScalar, IntScalar
 from ._errors import first_failure, poisoned, recorded
@@ -54,7 +54,7 @@ class MixedSample(eqx.Module):
     experience: PyTree[Shaped[Array, "batch ..."]]
     source: Int[Array, " batch"]
     weights: Float[Array, " batch"]
-    samples: tuple["Sample | MixedSample | None", ...]
+    samples: tuple["AbstractSample | MixedSample | None", ...]
     row_blocks: int = eqx.field(static=True, default=1)
 
     @property

@@ -67,7 +67,7 @@ class AbstractSource(eqx.Module):
     @abc.abstractmethod
     def sample(self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1) -> Any:
         """Draw `batch_size` elements (with replacement). A buffer returns a
-        [`equibuffer.Sample`][] (or a subclass: `experience`, `indices`, `steps`, ...); a
+        [`equibuffer.AbstractSample`][] (its kind's own: `experience`, `indices`, `steps`, ...); a
         `Mixer` returns a [`equibuffer.MixedSample`][]. Fails when it cannot be sampled (inside
         jit: recorded in the sample, raised by [`equibuffer.check`][]). With `row_blocks=n`
         (static) the sample is cut into `n` equal blocks, block `d` drawn only from what
@@ -150,7 +150,7 @@ class AbstractReplayBuffer(AbstractSource):
         for buffer in buffers:
             assert buffer.steps_in({"x": jnp.ones((2, 3))}) == 3  # add's own batch check
             buffer, sample = step(buffer, {"x": jnp.ones((2, 3))}, jax.random.key(0))
-            assert isinstance(sample, eb.Sample) and int(buffer.size()) == 6
+            assert isinstance(sample, eb.AbstractSample) and int(buffer.size()) == 6
         ```
     """
 

@@ -12,7 +12,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from ._buffers._epochs import no_epochs
-from ._buffers._samples import Sample
+from ._buffers._samples import AbstractSample
 from ._checks import check_positive_int, refuse_flashbax_only
 from ._custom_types import BoolScalar, ExperienceBatch, StepCount
 from ._errors import error_if, recorded
@@ -401,7 +401,7 @@ class RateLimited(eqx.Module):
     @recorded
     def sample(
         self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1, **kwargs: Any
-    ) -> tuple["RateLimited", Sample]:
+    ) -> tuple["RateLimited", AbstractSample]:
         """Sample the wrapped buffer and take `batch_size` off the credit.
 
         **Arguments:**
@@ -454,7 +454,7 @@ class RateLimited(eqx.Module):
 
     @recorded
     def set_priorities(
-        self, sample: Sample, priorities: Float[ArrayLike, " batch"], **kwargs: Any
+        self, sample: AbstractSample, priorities: Float[ArrayLike, " batch"], **kwargs: Any
     ) -> "RateLimited":
         """Return the limiter with the wrapped buffer's `set_priorities(sample, priorities,
         **kwargs)` applied (the credit is unchanged). Only for a prioritised buffer (an

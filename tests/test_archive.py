@@ -981,8 +981,13 @@ def test_repr_names_location_length_rows_and_leaves(tmp_path):
 
 def _public_members() -> list[tuple[str, Any]]:
     out = [("as_jax", eb.as_jax)]
-    for name, member in vars(Archive).items():
-        if not name.startswith("_") or name in ("__init__", "__len__"):
+    # (`Archive`'s own members and those of the classes it is built from, `ArchiveReads`,
+    # `ArchiveWrites`: what a user sees on it)
+    members = {k: v for c in reversed(Archive.__mro__[:-1]) for k, v in vars(c).items()}
+    for name, member in members.items():
+        if (not name.startswith("_") or name in ("__init__", "__len__")) and callable(
+            getattr(member, "fget", member)
+        ):
             out.append((name, member))
     return out
 

@@ -41,7 +41,7 @@ def _make(kind, rows, length, seq, period):
     return eb.ItemBuffer(_example(), add_batch_size=rows, capacity=rows * length)
 
 
-def _contiguous(sample: eb.Sample) -> None:
+def _contiguous(sample: eb.AbstractSample) -> None:
     """Each sampled window is consecutive steps of one row (`t` counts the steps)."""
     exp = sample.experience
     if isinstance(exp, eb.Transition):

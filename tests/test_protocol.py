@@ -108,8 +108,8 @@ def test_generic_code_runs_on_every_buffer_kind(kind):
         buffer.steps_in({**_batch(0), "obs": jnp.zeros((3, 2))}, "mine()")
     for i in range(3):
         buffer, sample, ready, size = _generic_step(buffer, _batch(i), jax.random.key(i))
-        assert isinstance(sample, eb.Sample)
-        assert isinstance(sample, eb.PrioritisedSample) == (kind in PRIORITISED)
+        assert isinstance(sample, eb.AbstractSample)
+        assert isinstance(sample, eb.AbstractPrioritisedSample) == (kind in PRIORITISED)
         assert bool(ready) and ready.dtype == jnp.bool_
         assert int(size) == ROWS * T * (i + 1) and size.dtype == jnp.int32
         tags = _first_obs(sample.experience)
@@ -166,7 +166,7 @@ def test_every_buffer_kind_is_rate_limited(kind):
 
     for i in range(3):
         limited, sample = step(limited, _batch(i), jax.random.key(i))
-        assert isinstance(sample, eb.Sample)
+        assert isinstance(sample, eb.AbstractSample)
     assert float(limited.credit()) == 0.0
     if kind in PRIORITISED:
         limited = limited.set_priorities(sample, jnp.full(4, 2.0))
@@ -194,7 +194,7 @@ def test_every_buffer_kind_is_a_mixer_source(kind):
     tags = _first_obs(sample.experience)
     for source, rows in ((0, slice(0, 2)), (1, slice(2, 8))):
         part = sample.samples[source]
-        assert isinstance(part, eb.Sample) and part.experience is None
+        assert isinstance(part, eb.AbstractSample) and part.experience is None
         # Source 0 holds `obs[0] > 0` at even steps, source 1 (negated) at odd ones.
         row, step = np.divmod(np.abs(tags[rows]).astype(int) - 1, 1000)
         sign = np.where(step % 2 == 0, 1, -1) * (1 if source == 0 else -1)
@@ -313,7 +313,7 @@ def test_a_seed_or_a_batch_of_keys_is_refused_with_what_to_pass(kind, as_users_r
     filled = source.add(_batch(0)) if kind in KINDS else source
     out = filled.sample(jax.random.PRNGKey(0), 8)
     sample = out[1] if kind == "rate limited" else out
-    assert isinstance(sample, eb.MixedSample if kind == "mixer" else eb.Sample)
+    assert isinstance(sample, eb.MixedSample if kind == "mixer" else eb.AbstractSample)
     if kind in KINDS:
         vmapped = jax.vmap(lambda k: filled.sample(k, 4).indices)(keys)
         assert vmapped.shape == (3, 4)

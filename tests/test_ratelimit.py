@@ -414,7 +414,7 @@ def test_prioritised_buffer_forwards_beta_and_set_priorities():
     before = float(limited.credit())
     for beta in (0.0, 0.7):
         new, sample, direct = both(limited, key, jnp.float32(beta))
-        assert isinstance(sample, eb.PrioritisedSample)
+        assert isinstance(sample, eb.AbstractPrioritisedSample)
         np.testing.assert_array_equal(sample.weights, direct.weights)
         np.testing.assert_array_equal(sample.indices, direct.indices)
         assert float(new.credit()) == before - 6

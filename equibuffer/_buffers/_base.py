@@ -1,6 +1,6 @@
 import abc
 from collections.abc import Callable
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, Generic, TypeAlias, TypeVar
 
 import equinox as eqx
 import jax
@@ -19,11 +19,12 @@ from ..rules._request import Drawn, Request, Window
 from ..rules._valid import count_held, still_held
 from ..views._base import AbstractView, gather_by_blocks
 from ._epochs import check_epoch, Epoch, epoch_batch_windows, plan_epoch
-from ._samples import EpisodeSample, Sample
+from ._samples import AbstractSample, EpisodeSample, Sample
 
 
 _Buffer = TypeVar("_Buffer", bound="AbstractBuffer")
 _Holder = TypeVar("_Holder", bound="AbstractRingHolder")
+_R = TypeVar("_R", bound=AbstractRule)
 
 
 class AbstractRingHolder(eqx.Module):
@@ -116,13 +117,16 @@ class AbstractRowBlocked(eqx.Module):
         return where, batch_size, self._row_blocks(where, row_blocks, batch_size)
 
 
-class AbstractBuffer(AbstractRingHolder, AbstractRowBlocked, AbstractReplayBuffer):
+class AbstractBuffer(AbstractRingHolder, AbstractRowBlocked, AbstractReplayBuffer, Generic[_R]):
     """The interface every ring buffer shares: a [`equibuffer.RingStorage`][] plus a rule
     saying which windows of `sequence_length` steps may be sampled. Every ring buffer is an
     [`equibuffer.AbstractReplayBuffer`][] (a `Mixer` source, wrapped by `RateLimited`).
 
-    Concrete buffers are final; they differ only in their configuration and in the shape of
-    what `sample` returns.
+    Generic in the kind of its rule: [`equibuffer.AbstractUniformBuffer`][] (a uniform rule)
+    and [`equibuffer.AbstractPrioritisedBuffer`][] (a prioritised one) are its two kinds.
+    Concrete buffers (`Buffer`, `TrajectoryBuffer`, ..., `PrioritisedBuffer`, ...) are final:
+    each holds its fields and its `__init__`; they differ only in their configuration and in
+    the shape of what `sample` returns.
 
     !!! example
 
@@ -139,7 +143,7 @@ class AbstractBuffer(AbstractRingHolder, AbstractRowBlocked, AbstractReplayBuffe
     """
 
     storage: eqx.AbstractVar[RingStorage]
-    rule: eqx.AbstractVar[AbstractRule]
+    rule: eqx.AbstractVar[_R]
     view: eqx.AbstractVar[AbstractView]
     period: eqx.AbstractVar[int]
     min_length_time_axis: eqx.AbstractVar[int]
@@ -451,7 +455,7 @@ class AbstractBuffer(AbstractRingHolder, AbstractRowBlocked, AbstractReplayBuffe
     @recorded
     def epoch_batch(
         self, epoch: Epoch, i: Int[ArrayLike, ""]
-    ) -> tuple[Sample, Bool[Array, " batch"]]:
+    ) -> tuple[Sample | EpisodeSample, Bool[Array, " batch"]]:
         """Batch `i` of an epoch planned by [`equibuffer.AbstractBuffer.epoch`][]: the
         windows at positions `i * batch_size` to `(i + 1) * batch_size - 1` of its order.
 
@@ -523,7 +527,7 @@ class AbstractBuffer(AbstractRingHolder, AbstractRowBlocked, AbstractReplayBuffe
         sample = EpisodeSample(experience=experience, indices=indices, steps=steps, mask=mask)
         return sample, valid
 
-    def _with(self: _Buffer, storage: RingStorage, rule: AbstractRule) -> _Buffer:
+    def _with(self: _Buffer, storage: RingStorage, rule: Any) -> _Buffer:
         """The buffer with `storage` and `rule` (a rule without state, `Uniform`, returns
         itself from `added`/`updated`: only the storage is replaced then)."""
         if rule is self.rule:
@@ -531,21 +535,34 @@ class AbstractBuffer(AbstractRingHolder, AbstractRowBlocked, AbstractReplayBuffe
         return eqx.tree_at(lambda b: (b.storage, b.rule), self, (storage, rule))
 
     @abc.abstractmethod
-    def sample(self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1) -> Sample:
+    def sample(self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1) -> AbstractSample:
         """Draw `batch_size` windows (with replacement) by the buffer's rule; see the
         concrete buffers. With `row_blocks=n`, each of `n` equal blocks of rows gets its
         own `batch_size / n` draws (see [Scaling](../scaling.md))."""
         ...
 
 
-class AbstractUniformBuffer(AbstractBuffer):
-    """A buffer whose rule draws its valid windows uniformly."""
+class AbstractUniformBuffer(AbstractBuffer[AbstractUniformRule]):
+    """A buffer whose rule draws its valid windows uniformly: [`equibuffer.Buffer`][] and
+    the named uniform buffers (`TrajectoryBuffer`, `TransitionBuffer`, `ItemBuffer`,
+    `EpisodeTrajectoryBuffer`), each final.
 
-    # (an AbstractVar may be narrowed by a subclass; pyright reads it as a mutable field)
-    rule: eqx.AbstractVar[AbstractUniformRule]  # pyright: ignore[reportIncompatibleVariableOverride]
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax.numpy as jnp
+
+        buffer = eb.TrajectoryBuffer({"x": jnp.zeros(())}, add_batch_size=1, capacity=8,
+                                     sequence_length=2)
+        assert isinstance(buffer, eb.AbstractUniformBuffer)
+        assert not isinstance(buffer, eb.Buffer)  # the same composition, its own final class
+        ```
+    """
 
     @recorded
-    def sample(self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1) -> Sample:
+    def sample(
+        self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1
+    ) -> Sample | EpisodeSample:
         """Draw `batch_size` windows uniformly, with replacement, over all valid windows.
 
         **Arguments:**

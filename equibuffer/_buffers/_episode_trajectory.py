@@ -11,16 +11,21 @@ loop.
 
 from typing import Unpack
 
+import equinox as eqx
 from jaxtyping import Array, Bool, Int
 
 from .._custom_types import ExampleTree
+from .._ring import RingStorage
 from .._sumtree import SumTree
+from ..rules._base import AbstractPrioritisedRule, AbstractUniformRule
 from ..rules._episode_ends import EpisodeEnd, Mode
 from ..rules._episodic import Episodic, episodic
 from ..rules._prioritised_episodic import prioritised_episodic, PrioritisedEpisodic
+from ..views._base import AbstractView
 from ..views._window import window_view
-from ._generic import Buffer, compose, init_buffer
-from ._prioritised import init_prioritised, PrioritisedBuffer
+from ._base import AbstractUniformBuffer
+from ._generic import compose
+from ._prioritised import AbstractPrioritisedBuffer
 from ._samples import (
     EpisodeSample as EpisodeSample,
     PrioritisedEpisodeSample as PrioritisedEpisodeSample,
@@ -38,7 +43,7 @@ def _prioritised_episodic(rule: object) -> PrioritisedEpisodic:
     return rule
 
 
-class EpisodeTrajectoryBuffer(Buffer):
+class EpisodeTrajectoryBuffer(AbstractUniformBuffer):
     """A [`equibuffer.TrajectoryBuffer`][] whose windows stay inside one episode.
 
     `episode_end` marks the last step of an episode (termination and truncation both end
@@ -93,6 +98,12 @@ class EpisodeTrajectoryBuffer(Buffer):
     `view=WindowView(sequence_length)`.
     """
 
+    storage: RingStorage
+    rule: AbstractUniformRule
+    view: AbstractView = eqx.field(static=True)
+    period: int = eqx.field(static=True)
+    min_length_time_axis: int = eqx.field(static=True)
+
     def __init__(
         self,
         example: ExampleTree,
@@ -116,10 +127,11 @@ class EpisodeTrajectoryBuffer(Buffer):
             `mask`).
         """
         where = "EpisodeTrajectoryBuffer()"
-        view = lambda _: window_view(where, sequence_length)  # noqa: E731
-        rule = lambda storage: episodic(where, storage, episode_end, mode)  # noqa: E731
-        init_buffer(self, compose(where, example, add_batch_size, sizes, rule, view,
-                                  period=period))  # fmt: skip
+        view = window_view(where, sequence_length)
+        rule = episodic(where, episode_end, mode)
+        self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
+            where, example, add_batch_size, sizes, rule, view, period=period
+        )
 
     @property
     def tree(self) -> SumTree:
@@ -137,7 +149,7 @@ class EpisodeTrajectoryBuffer(Buffer):
         return _episodic(self.rule).episodes.mode
 
 
-class PrioritisedEpisodeTrajectoryBuffer(PrioritisedBuffer):
+class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
     """An [`equibuffer.EpisodeTrajectoryBuffer`][] that draws its valid windows in proportion
     to their priority: window `i` with probability `p_i**alpha / sum_k p_k**alpha`, the sum
     over the windows valid by the episode rule (`mode="never_cross"` or `"pad"`, exactly as
@@ -177,6 +189,12 @@ class PrioritisedEpisodeTrajectoryBuffer(PrioritisedBuffer):
     `rule=PrioritisedEpisodic(episode_end, mode, alpha)` and `view=WindowView(sequence_length)`.
     """
 
+    storage: RingStorage
+    rule: AbstractPrioritisedRule
+    view: AbstractView = eqx.field(static=True)
+    period: int = eqx.field(static=True)
+    min_length_time_axis: int = eqx.field(static=True)
+
     def __init__(
         self,
         example: ExampleTree,
@@ -197,12 +215,11 @@ class PrioritisedEpisodeTrajectoryBuffer(PrioritisedBuffer):
             positive priority, 1 fully proportional. Default 0.6.
         """
         where = "PrioritisedEpisodeTrajectoryBuffer()"
-        view = lambda _: window_view(where, sequence_length)  # noqa: E731
-        rule = lambda storage: prioritised_episodic(  # noqa: E731
-            where, storage, episode_end, mode, alpha
+        view = window_view(where, sequence_length)
+        rule = prioritised_episodic(where, episode_end, mode, alpha)
+        self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
+            where, example, add_batch_size, sizes, rule, view, period=period
         )
-        init_prioritised(self, compose(where, example, add_batch_size, sizes, rule, view,
-                                       period=period))  # fmt: skip
 
     @property
     def ends(self) -> Bool[Array, "rows length"]:

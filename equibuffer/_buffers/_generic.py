@@ -7,33 +7,23 @@ named buffers share, in `_base.py` and `_prioritised.py`: a combination no named
 behaves as the named ones do.
 """
 
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, TypeAlias, Unpack
+from collections.abc import Mapping
+from typing import Any, TypeVar, Unpack
 
 import equinox as eqx
 
+from .._checks import check_positive_int
 from .._custom_types import ExampleTree
 from .._ring import RingStorage
 from ..rules._base import AbstractRule, AbstractUniformRule
 from ..rules._uniform import UNIFORM
 from ..views._base import AbstractView
 from ._base import AbstractUniformBuffer
-from ._sizes import configure, Sizes
+from ._sizes import SizeArgs, Sizes
 
 
-# A part, or (for the named buffers, whose arguments are checked against the example with
-# their own messages) a function of the sized ring that builds it.
-_Part: TypeAlias = AbstractRule | AbstractView | Callable[[RingStorage], object]
-
-
-class Composed(NamedTuple):
-    """A buffer's parts, built and checked: what every constructor assigns."""
-
-    storage: RingStorage
-    rule: AbstractRule
-    view: AbstractView
-    period: int
-    min_length_time_axis: int
+_R = TypeVar("_R", bound=AbstractRule)
+_Kind = TypeVar("_Kind")
 
 
 def compose(
@@ -41,42 +31,34 @@ def compose(
     example: ExampleTree,
     add_batch_size: int,
     sizes: Mapping[str, Any],
-    rule: _Part,
-    view: _Part,
+    rule: _R,
+    view: AbstractView,
     *,
     period: int = 1,
     flat: bool = False,
-) -> Composed:
-    """The ring sized by `sizes` (a constructor's `**sizes`), `view` checked against it, `rule`
-    sized to it, and the steps per row before sampling (errors start with `where`). `rule` and
-    `view` may be functions of the ring that build them (the named buffers' arguments, checked
-    there)."""
-
-    def built(part: _Part, kind: type, name: str, storage: RingStorage) -> object:
-        made: object = part
-        if not isinstance(part, AbstractRule | AbstractView) and callable(part):
-            made = part(storage)
-        if not isinstance(made, kind):
-            raise TypeError(
-                f"{where}: `{name}` must be an equibuffer.{name}s.{kind.__name__}, got "
-                f"{type(made).__name__}."
-            )
-        return made
-
-    def checked_view(storage: RingStorage) -> AbstractView:
-        part = built(view, AbstractView, "view", storage)
-        assert isinstance(part, AbstractView)
-        return part.checked(where, storage)
-
-    storage, checked, period, minimum = configure(
-        where, example, add_batch_size, sizes, checked_view, flat=flat, period=period
+) -> tuple[RingStorage, _R, AbstractView, int, int]:
+    """A composed buffer's parts, built and checked, in the order of its fields (what each
+    constructor assigns: `self.storage, self.rule, ... = compose(...)`): the ring sized by
+    `sizes` (a constructor's `**sizes`, checked), `view` checked against it, `rule` sized to
+    it (once), the period and the steps per row before sampling (one window of the view at
+    least). Errors start with `where`; `flat` marks the buffers whose Flashbax counterpart is
+    flat or item-shaped (see `equibuffer.Sizes`)."""
+    if not isinstance(view, AbstractView):
+        raise TypeError(
+            f"{where}: `view` must be an equibuffer.views.AbstractView, got {type(view).__name__}."
+        )
+    given = SizeArgs.of(where, sizes)
+    storage = given.storage(where, example, add_batch_size, flat=flat)
+    view = view.checked(where, storage)
+    period = check_positive_int(where, "period", period)
+    minimum = given.min_length_time_axis_for(
+        where, storage, view.window_length, view.window_name, flat=flat
     )
-    sized = built(rule, AbstractRule, "rule", storage)
-    assert isinstance(sized, AbstractRule)
-    return Composed(storage, sized.sized(where, storage), checked, period, minimum)
+    return storage, rule.sized(where, storage), view, period, minimum
 
 
-def check_rule(where: str, rule: object, kind: type, use: str) -> None:
+def check_rule(where: str, rule: object, kind: type[_Kind], use: str) -> _Kind:
+    """`rule`, checked to be a rule of `kind` (`use`: the buffer to build for another)."""
     if not isinstance(rule, kind):
         got = type(rule).__name__
         if isinstance(rule, AbstractRule):
@@ -85,6 +67,7 @@ def check_rule(where: str, rule: object, kind: type, use: str) -> None:
                 f"build an {use} for it."
             )
         raise TypeError(f"{where}: `rule` must be an equibuffer.rules.{kind.__name__}, got {got}.")
+    return rule
 
 
 class Buffer(AbstractUniformBuffer):
@@ -126,7 +109,7 @@ class Buffer(AbstractUniformBuffer):
     storage: RingStorage
     # A pytree field like every buffer's rule; one without arrays (`Uniform`) has no leaves,
     # so a jitted call still flattens only the ring's arrays.
-    rule: AbstractUniformRule  # pyright: ignore[reportIncompatibleVariableOverride]
+    rule: AbstractUniformRule
     view: AbstractView = eqx.field(static=True)
     period: int = eqx.field(static=True)
     min_length_time_axis: int = eqx.field(static=True)
@@ -160,16 +143,7 @@ class Buffer(AbstractUniformBuffer):
             row), as [`equibuffer.Sizes`][] says.
         """
         where = "Buffer()"
-        check_rule(where, rule, AbstractUniformRule, "eb.PrioritisedBuffer")
-        parts = compose(where, example, add_batch_size, sizes, rule, view,
-                        period=period)  # fmt: skip
-        init_buffer(self, parts)
-
-
-def init_buffer(buffer: Buffer, parts: Composed) -> None:
-    """Set the fields of a `Buffer` (or a named one) being initialised."""
-    rule = parts.rule
-    assert isinstance(rule, AbstractUniformRule)
-    buffer.storage, buffer.view, buffer.period = parts.storage, parts.view, parts.period
-    buffer.min_length_time_axis = parts.min_length_time_axis
-    buffer.rule = rule
+        rule = check_rule(where, rule, AbstractUniformRule, "eb.PrioritisedBuffer")
+        self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
+            where, example, add_batch_size, sizes, rule, view, period=period
+        )

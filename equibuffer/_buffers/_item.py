@@ -1,13 +1,19 @@
 from typing import Unpack
 
+import equinox as eqx
+
 from .._custom_types import ExampleTree
+from .._ring import RingStorage
+from ..rules._base import AbstractUniformRule
 from ..rules._uniform import UNIFORM
+from ..views._base import AbstractView
 from ..views._item import ItemView
-from ._generic import Buffer, compose, init_buffer
+from ._base import AbstractUniformBuffer
+from ._generic import compose
 from ._sizes import Sizes
 
 
-class ItemBuffer(Buffer):
+class ItemBuffer(AbstractUniformBuffer):
     """A buffer of independent items: every stored step is one item, sampled uniformly.
 
     !!! example
@@ -23,6 +29,12 @@ class ItemBuffer(Buffer):
 
     It is [`equibuffer.Buffer`][] with `rule=Uniform()` and `view=ItemView()`.
     """
+
+    storage: RingStorage
+    rule: AbstractUniformRule
+    view: AbstractView = eqx.field(static=True)
+    period: int = eqx.field(static=True)
+    min_length_time_axis: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -41,5 +53,6 @@ class ItemBuffer(Buffer):
             says.
         """
         where = "ItemBuffer()"
-        parts = compose(where, example, add_batch_size, sizes, UNIFORM, ItemView(), flat=True)
-        init_buffer(self, parts)
+        self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
+            where, example, add_batch_size, sizes, UNIFORM, ItemView(), flat=True
+        )

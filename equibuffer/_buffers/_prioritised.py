@@ -21,12 +21,12 @@ from ..views._base import AbstractView
 from ..views._item import ItemView
 from ..views._window import window_view
 from ._base import AbstractBuffer
-from ._generic import check_rule, compose, Composed
+from ._generic import check_rule, compose
 from ._samples import (
+    AbstractSample,
     PrioritisedEpisodeSample,
     PrioritisedSample as PrioritisedSample,
     priority_update,
-    Sample,
 )
 from ._sizes import Sizes
 from ._transition import transition_view
@@ -52,7 +52,9 @@ class RulePriorities(eqx.Module):
         return self.rule.alpha
 
 
-class AbstractPrioritisedBuffer(AbstractBuffer, RulePriorities, AbstractPrioritisedSource):
+class AbstractPrioritisedBuffer(
+    AbstractBuffer[AbstractPrioritisedRule], RulePriorities, AbstractPrioritisedSource
+):
     """A buffer whose windows are drawn with probability proportional to `priority ** alpha`.
 
     It is a [`equibuffer.RingStorage`][] plus the valid-window rule of the uniform buffers,
@@ -83,9 +85,6 @@ class AbstractPrioritisedBuffer(AbstractBuffer, RulePriorities, AbstractPrioriti
         ```
     """
 
-    # (an AbstractVar may be narrowed by a subclass; pyright reads it as a mutable field)
-    rule: eqx.AbstractVar[AbstractPrioritisedRule]  # pyright: ignore[reportIncompatibleVariableOverride]
-
     @property
     def tree(self) -> SumTree:
         """The [`equibuffer.SumTree`][] of `priority ** alpha`, one leaf per window start, of
@@ -102,7 +101,7 @@ class AbstractPrioritisedBuffer(AbstractBuffer, RulePriorities, AbstractPrioriti
     @recorded
     def sample(
         self, key: PRNGKeyArray, batch_size: int, beta: Beta = 1.0, *, row_blocks: int = 1
-    ) -> PrioritisedSample:
+    ) -> PrioritisedSample | PrioritisedEpisodeSample:
         """Draw `batch_size` windows, each with probability `P(i) = p_i**alpha / sum_k
         p_k**alpha` over the valid windows (stratified: the total is cut into `batch_size`
         equal segments and one window is drawn in each).
@@ -164,7 +163,7 @@ class AbstractPrioritisedBuffer(AbstractBuffer, RulePriorities, AbstractPrioriti
     @recorded
     def set_priorities(
         self: _Prioritised,
-        sample: Sample | Int[ArrayLike, " batch"],
+        sample: AbstractSample | Int[ArrayLike, " batch"],
         priorities: Float[ArrayLike, " batch"],
         *,
         steps: Steps | None = None,
@@ -269,20 +268,13 @@ class PrioritisedBuffer(AbstractPrioritisedBuffer):
             that draws uniformly takes an [`equibuffer.Buffer`][].
         """
         where = "PrioritisedBuffer()"
-        check_rule(where, rule, AbstractPrioritisedRule, "eb.Buffer")
-        parts = compose(where, example, add_batch_size, sizes, rule, view,
-                        period=period)  # fmt: skip
-        init_prioritised(self, parts)
+        rule = check_rule(where, rule, AbstractPrioritisedRule, "eb.Buffer")
+        self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
+            where, example, add_batch_size, sizes, rule, view, period=period
+        )
 
 
-def init_prioritised(buffer: PrioritisedBuffer, parts: Composed) -> None:
-    """Set the fields of a `PrioritisedBuffer` (or a named one) being initialised."""
-    assert isinstance(parts.rule, AbstractPrioritisedRule)
-    buffer.storage, buffer.rule, buffer.view = parts.storage, parts.rule, parts.view
-    buffer.period, buffer.min_length_time_axis = parts.period, parts.min_length_time_axis
-
-
-class PrioritisedTrajectoryBuffer(PrioritisedBuffer):
+class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
     """A [`equibuffer.TrajectoryBuffer`][] that draws windows in proportion to their
     priority: windows of `sequence_length` consecutive steps of one row, starting at absolute
     steps that are multiples of `period`, each drawn with probability
@@ -306,6 +298,12 @@ class PrioritisedTrajectoryBuffer(PrioritisedBuffer):
     `view=WindowView(sequence_length)`.
     """
 
+    storage: RingStorage
+    rule: AbstractPrioritisedRule
+    view: AbstractView = eqx.field(static=True)
+    period: int = eqx.field(static=True)
+    min_length_time_axis: int = eqx.field(static=True)
+
     def __init__(
         self,
         example: ExampleTree,
@@ -324,13 +322,13 @@ class PrioritisedTrajectoryBuffer(PrioritisedBuffer):
             priority, 1 fully proportional. Default 0.6 (Schaul et al.).
         """
         where = "PrioritisedTrajectoryBuffer()"
-        view = lambda _: window_view(where, sequence_length)  # noqa: E731
-        rule = lambda storage: prioritised(where, storage, alpha)  # noqa: E731
-        init_prioritised(self, compose(where, example, add_batch_size, sizes, rule, view,
-                                       period=period))  # fmt: skip
+        view = window_view(where, sequence_length)
+        self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
+            where, example, add_batch_size, sizes, prioritised(where, alpha), view, period=period
+        )
 
 
-class PrioritisedTransitionBuffer(PrioritisedBuffer):
+class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
     """A [`equibuffer.TransitionBuffer`][] that draws consecutive pairs `(first, second)` in
     proportion to their priority.
 
@@ -351,6 +349,12 @@ class PrioritisedTransitionBuffer(PrioritisedBuffer):
     `PrioritisedEpisodic(episode_end, mode, alpha)`) and `view=PairView()` (or
     `NStepView(n_step, discount, ...)`).
     """
+
+    storage: RingStorage
+    rule: AbstractPrioritisedRule
+    view: AbstractView = eqx.field(static=True)
+    period: int = eqx.field(static=True)
+    min_length_time_axis: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -376,20 +380,18 @@ class PrioritisedTransitionBuffer(PrioritisedBuffer):
         - `alpha`: the priority exponent, `>= 0` (default 0.6).
         """
         where = "PrioritisedTransitionBuffer()"
-        view = lambda storage: transition_view(  # noqa: E731
-            where, storage, n_step, discount, reward, terminated, truncated
+        view = transition_view(where, n_step, discount, reward, terminated, truncated)
+        rule = (
+            prioritised(where, alpha)
+            if episode_end is None
+            else prioritised_episodic(where, episode_end, mode, alpha)
+        )
+        self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
+            where, example, add_batch_size, sizes, rule, view, flat=True
         )
 
-        def rule(storage: RingStorage) -> AbstractPrioritisedRule:
-            if episode_end is None:
-                return prioritised(where, storage, alpha)
-            return prioritised_episodic(where, storage, episode_end, mode, alpha)
 
-        parts = compose(where, example, add_batch_size, sizes, rule, view, flat=True)
-        init_prioritised(self, parts)
-
-
-class PrioritisedItemBuffer(PrioritisedBuffer):
+class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
     """A [`equibuffer.ItemBuffer`][] that draws items in proportion to their priority.
 
     !!! example
@@ -408,6 +410,12 @@ class PrioritisedItemBuffer(PrioritisedBuffer):
     `view=ItemView()`.
     """
 
+    storage: RingStorage
+    rule: AbstractPrioritisedRule
+    view: AbstractView = eqx.field(static=True)
+    period: int = eqx.field(static=True)
+    min_length_time_axis: int = eqx.field(static=True)
+
     def __init__(
         self,
         example: ExampleTree,
@@ -422,6 +430,6 @@ class PrioritisedItemBuffer(PrioritisedBuffer):
         - `alpha`: the priority exponent, `>= 0` (default 0.6).
         """
         where = "PrioritisedItemBuffer()"
-        rule = lambda storage: prioritised(where, storage, alpha)  # noqa: E731
-        parts = compose(where, example, add_batch_size, sizes, rule, ItemView(), flat=True)
-        init_prioritised(self, parts)
+        self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
+            where, example, add_batch_size, sizes, prioritised(where, alpha), ItemView(), flat=True
+        )

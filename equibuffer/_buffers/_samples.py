@@ -1,7 +1,7 @@
 """What `sample` returns: the experience a view gathered, plus what the sampling rule knows of
 each draw (its window's place and start step; probabilities and weights; the episode mask)."""
 
-from typing import Any
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -12,8 +12,72 @@ from .._errors import first_failure, poisoned, record
 from ..rules._request import Update
 
 
-class Sample(eqx.Module):
-    """What `sample` returns.
+_Sample = TypeVar("_Sample", bound="AbstractSample")
+
+
+def error_field() -> Any:
+    """The `error` field of a final sample: 0 (no failure) unless given, keyword only."""
+    return eqx.field(default_factory=lambda: jnp.zeros((), jnp.uint32), kw_only=True)
+
+
+class AbstractSample(eqx.Module):
+    """What every buffer's `sample` returns, whatever its kind: the sampled `experience`, the
+    flat `indices` and start `steps` of its windows (what `set_priorities` takes), and the
+    `error` word of a check recorded while drawing it. The samples of each kind are final
+    classes of their own (`Sample`, `EpisodeSample`, `PrioritisedSample`, ...): test a sample
+    of any kind with `isinstance(sample, eb.AbstractSample)`, a sample with probabilities and
+    weights with `isinstance(sample, eb.AbstractPrioritisedSample)`.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        buffer = eb.PrioritisedItemBuffer({"x": jnp.zeros(())}, add_batch_size=1, capacity=4)
+        sample = buffer.add({"x": jnp.ones((1, 2))}).sample(jax.random.key(0), batch_size=3)
+        assert isinstance(sample, eb.AbstractSample) and isinstance(sample, eb.PrioritisedSample)
+        assert not isinstance(sample, eb.Sample)  # the uniform kind's own
+        ```
+    """
+
+    experience: eqx.AbstractVar[Any]
+    indices: eqx.AbstractVar[Indices]
+    steps: eqx.AbstractVar[Steps]
+    error: eqx.AbstractVar[UInt32[Array, ""]]
+
+    def with_error(self: _Sample, word: UInt32[Array, ""]) -> _Sample:
+        """The sample with failure `word` recorded, unless one is recorded already, and its
+        floating leaves NaN when a failure is recorded (a loss computed from a sample that
+        could not be drawn shows it)."""
+        word = first_failure(self.error, word)
+        return poisoned(eqx.tree_at(lambda s: s.error, self, word), word)
+
+
+class AbstractPrioritisedSample(AbstractSample):
+    """A sample drawn by priority: an [`equibuffer.AbstractSample`][] with the
+    `probabilities` each window was drawn with and its importance `weights` (see
+    [`equibuffer.PrioritisedSample`][]).
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, jax, jax.numpy as jnp
+
+        buffer = eb.PrioritisedClusteredBuffer({"x": jnp.zeros(())}, add_batch_size=2,
+                                               num_clusters=2, cluster_capacity=4,
+                                               cluster_fn=lambda item: jnp.int32(0))
+        sample = buffer.add({"x": jnp.ones(2)}).sample(jax.random.key(0), batch_size=3)
+        assert isinstance(sample, eb.AbstractPrioritisedSample)
+        assert sample.weights.shape == sample.probabilities.shape == (3,)
+        ```
+    """
+
+    probabilities: eqx.AbstractVar[Float[Array, " batch"]]
+    weights: eqx.AbstractVar[Float[Array, " batch"]]
+
+
+class Sample(AbstractSample):
+    """What a uniform buffer's `sample` returns (an [`equibuffer.AbstractSample`][]).
 
     - `experience`: the sampled data. Leaves `(batch, sequence_length, *leaf)` for a
         `TrajectoryBuffer`, a [`equibuffer.Transition`][] of `(batch, *leaf)` leaves for a
@@ -44,19 +108,10 @@ class Sample(eqx.Module):
     experience: Any
     indices: Indices
     steps: Steps
-    error: UInt32[Array, ""] = eqx.field(
-        default_factory=lambda: jnp.zeros((), jnp.uint32), kw_only=True
-    )
-
-    def with_error(self, word: UInt32[Array, ""]) -> "Sample":
-        """The sample with failure `word` recorded, unless one is recorded already, and its
-        floating leaves NaN when a failure is recorded (a loss computed from a sample that
-        could not be drawn shows it)."""
-        word = first_failure(self.error, word)
-        return poisoned(eqx.tree_at(lambda s: s.error, self, word), word)
+    error: UInt32[Array, ""] = error_field()
 
 
-class PrioritisedSample(Sample):
+class PrioritisedSample(AbstractPrioritisedSample):
     """What a prioritised buffer's `sample` returns: a [`equibuffer.Sample`][] (`experience`,
     `indices`, `steps`) plus
 
@@ -86,11 +141,15 @@ class PrioritisedSample(Sample):
         ```
     """
 
+    experience: Any
+    indices: Indices
+    steps: Steps
     probabilities: Float[Array, " batch"]
     weights: Float[Array, " batch"]
+    error: UInt32[Array, ""] = error_field()
 
 
-class EpisodeSample(Sample):
+class EpisodeSample(AbstractSample):
     """What [`equibuffer.EpisodeTrajectoryBuffer`][]'s `sample` returns: a
     [`equibuffer.Sample`][] (`experience` with leaves `(batch, sequence_length, *leaf)`,
     `indices`, `steps`) plus
@@ -115,10 +174,14 @@ class EpisodeSample(Sample):
         ```
     """
 
+    experience: Any
+    indices: Indices
+    steps: Steps
     mask: Bool[Array, "batch sequence"]
+    error: UInt32[Array, ""] = error_field()
 
 
-class PrioritisedEpisodeSample(PrioritisedSample):
+class PrioritisedEpisodeSample(AbstractPrioritisedSample):
     """What `PrioritisedEpisodeTrajectoryBuffer.sample` returns: a
     [`equibuffer.PrioritisedSample`][] (`experience`, `indices`, `steps`, `probabilities`,
     `weights`) plus `mask`, `(batch, sequence_length)` bool, as in
@@ -143,12 +206,18 @@ class PrioritisedEpisodeSample(PrioritisedSample):
         ```
     """
 
+    experience: Any
+    indices: Indices
+    steps: Steps
+    probabilities: Float[Array, " batch"]
+    weights: Float[Array, " batch"]
     mask: Bool[Array, "batch sequence"]
+    error: UInt32[Array, ""] = error_field()
 
 
 def priority_update(
     where: str,
-    sample: Sample | Int[ArrayLike, " batch"],
+    sample: AbstractSample | Int[ArrayLike, " batch"],
     priorities: Float[ArrayLike, " batch"],
     steps: Steps | None,
 ) -> Update:
@@ -157,7 +226,7 @@ def priority_update(
     whether the sample holds a recorded failure (its windows are then not what was asked
     for: the update is refused, and the failure goes on to the buffer). The one preamble of
     every `set_priorities`."""
-    if isinstance(sample, Sample):
+    if isinstance(sample, AbstractSample):
         if steps is not None:
             raise TypeError(
                 f"{where}: `steps` is taken from the sample; pass either a Sample, or "

@@ -14,13 +14,12 @@ refused with an error naming what to pass.
 """
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple, TypedDict
 
 from .._checks import check_positive_int, FLASHBAX_ONLY, flashbax_only_error
 from .._custom_types import ExampleTree
 from .._ring import RingStorage
-from ..views._base import AbstractView
 
 
 def _one_of(where: str, given: dict[str, int | None], expected: str) -> tuple[str, int] | None:
@@ -226,35 +225,3 @@ class SizeArgs(NamedTuple):
             min_length=self.min_length,
             min_length_time_axis=self.min_length_time_axis,
         )
-
-
-class Parts(NamedTuple):
-    """What a buffer's constructor builds from its arguments, checked."""
-
-    storage: RingStorage
-    view: AbstractView
-    period: int
-    min_length_time_axis: int
-
-
-def configure(
-    where: str,
-    example: ExampleTree,
-    add_batch_size: int,
-    sizes: Mapping[str, Any],
-    view: Callable[[RingStorage], AbstractView],
-    *,
-    flat: bool,
-    period: int = 1,
-) -> Parts:
-    """The storage sized by `sizes` (a constructor's `**sizes`, checked), the view
-    `view(storage)` builds, the period and the steps per row before sampling (one window of
-    the view at least): every buffer's configuration."""
-    given = SizeArgs.of(where, sizes)
-    storage = given.storage(where, example, add_batch_size, flat=flat)
-    built = view(storage)
-    period = check_positive_int(where, "period", period)
-    minimum = given.min_length_time_axis_for(
-        where, storage, built.window_length, built.window_name, flat=flat
-    )
-    return Parts(storage, built, period, minimum)

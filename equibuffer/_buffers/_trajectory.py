@@ -1,13 +1,19 @@
 from typing import Unpack
 
+import equinox as eqx
+
 from .._custom_types import ExampleTree
+from .._ring import RingStorage
+from ..rules._base import AbstractUniformRule
 from ..rules._uniform import UNIFORM
+from ..views._base import AbstractView
 from ..views._window import window_view
-from ._generic import Buffer, compose, init_buffer
+from ._base import AbstractUniformBuffer
+from ._generic import compose
 from ._sizes import Sizes
 
 
-class TrajectoryBuffer(Buffer):
+class TrajectoryBuffer(AbstractUniformBuffer):
     """A buffer of trajectories: samples windows of `sequence_length` consecutive steps of one
     row, starting at absolute steps that are multiples of `period`, uniformly over all valid
     windows.
@@ -27,6 +33,12 @@ class TrajectoryBuffer(Buffer):
 
     It is [`equibuffer.Buffer`][] with `rule=Uniform()` and `view=WindowView(sequence_length)`.
     """
+
+    storage: RingStorage
+    rule: AbstractUniformRule
+    view: AbstractView = eqx.field(static=True)
+    period: int = eqx.field(static=True)
+    min_length_time_axis: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -51,6 +63,12 @@ class TrajectoryBuffer(Buffer):
             row), as [`equibuffer.Sizes`][] says.
         """
         where = "TrajectoryBuffer()"
-        view = lambda _: window_view(where, sequence_length)  # noqa: E731
-        init_buffer(self, compose(where, example, add_batch_size, sizes, UNIFORM, view,
-                                  period=period))  # fmt: skip
+        self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
+            where,
+            example,
+            add_batch_size,
+            sizes,
+            UNIFORM,
+            window_view(where, sequence_length),
+            period=period,
+        )

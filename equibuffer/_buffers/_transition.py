@@ -1,17 +1,22 @@
 from typing import Unpack
 
+import equinox as eqx
+
 from .._custom_types import ExampleTree
 from .._ring import RingStorage
+from ..rules._base import AbstractUniformRule
 from ..rules._episode_ends import EpisodeEnd, Mode
 from ..rules._episodic import episodic
 from ..rules._uniform import UNIFORM
-from ..views._nstep import check_discount, check_leaves, check_n_step, NStepView
+from ..views._base import AbstractView
+from ..views._nstep import check_discount, check_n_step, NStepView
 from ..views._pair import PairView
-from ._generic import Buffer, compose, init_buffer
+from ._base import AbstractUniformBuffer
+from ._generic import compose
 from ._sizes import Sizes
 
 
-class TransitionBuffer(Buffer):
+class TransitionBuffer(AbstractUniformBuffer):
     """A buffer of transitions: samples consecutive pairs `(first, second)` of steps of one row
     (Flashbax's flat buffer). Each step is stored once; the pair is gathered at sample time.
 
@@ -53,6 +58,12 @@ class TransitionBuffer(Buffer):
         ```
     """
 
+    storage: RingStorage
+    rule: AbstractUniformRule
+    view: AbstractView = eqx.field(static=True)
+    period: int = eqx.field(static=True)
+    min_length_time_axis: int = eqx.field(static=True)
+
     def __init__(
         self,
         example: ExampleTree,
@@ -92,32 +103,28 @@ class TransitionBuffer(Buffer):
             transition, comes back zero, with `sample.mask` false there).
         """
         where = "TransitionBuffer()"
-        view = lambda storage: transition_view(  # noqa: E731
-            where, storage, n_step, discount, reward, terminated, truncated
+        view = transition_view(where, n_step, discount, reward, terminated, truncated)
+        rule = UNIFORM if episode_end is None else episodic(where, episode_end, mode)
+        self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
+            where, example, add_batch_size, sizes, rule, view, flat=True
         )
-        rule = (
-            UNIFORM
-            if episode_end is None
-            else lambda storage: episodic(where, storage, episode_end, mode)
-        )
-        init_buffer(self, compose(where, example, add_batch_size, sizes, rule, view, flat=True))
 
 
 def transition_view(
     where: str,
-    storage: RingStorage,
     n_step: int | None,
     discount: float | None,
     reward: str,
     terminated: str,
     truncated: str | None,
 ) -> PairView | NStepView:
-    """The view of a transition buffer: pairs, or n-step transitions (arguments checked)."""
+    """The view of a transition buffer: pairs, or n-step transitions (`n_step` and
+    `discount` checked; the leaves it reads are checked against the example when a buffer
+    is built with it: `NStepView.checked`)."""
     if n_step is None and discount is None:
         return PairView()
     if n_step is None or discount is None:
         raise TypeError(f"{where}: give both `n_step` and `discount`, or neither.")
     n_step = check_n_step(where, n_step)
     discount = check_discount(where, discount)
-    check_leaves(where, storage.example(), reward, terminated, truncated)
     return NStepView(n_step, discount, reward, terminated, truncated)

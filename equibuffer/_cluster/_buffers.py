@@ -10,7 +10,7 @@ a rule (`UniformInCluster`, `PrioritisedInCluster`: the state a draw needs), wit
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import equinox as eqx
 import jax
@@ -20,7 +20,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 from .._buffers._base import AbstractRowBlocked
 from .._buffers._epochs import check_epoch, Epoch, epoch_batch_windows, shuffle_valid
 from .._buffers._prioritised import RulePriorities
-from .._buffers._samples import priority_update, Sample
+from .._buffers._samples import AbstractSample, priority_update
 from .._checks import check_key, check_positive_int, check_row_blocks, refuse_flashbax_only
 from .._custom_types import (
     Beta,
@@ -41,6 +41,7 @@ from ._storage import ClusterStorage
 
 
 _Clustered = TypeVar("_Clustered", bound="AbstractClusteredBuffer")
+_C = TypeVar("_C", bound=AbstractClusterRule)
 
 
 def _configure(
@@ -77,7 +78,7 @@ def _configure(
     return storage, weights
 
 
-class AbstractClusteredBuffer(AbstractRowBlocked, AbstractReplayBuffer):
+class AbstractClusteredBuffer(AbstractRowBlocked, AbstractReplayBuffer, Generic[_C]):
     """A buffer of items split into `num_clusters` clusters (as in dejax's clustered
     replay): `add` routes every item to the cluster `cluster_fn(item)` names (e.g. high vs
     low return), each cluster a ring of `cluster_capacity` items that overwrites its own
@@ -106,7 +107,7 @@ class AbstractClusteredBuffer(AbstractRowBlocked, AbstractReplayBuffer):
     """
 
     storage: eqx.AbstractVar[ClusterStorage]
-    rule: eqx.AbstractVar[AbstractClusterRule]
+    rule: eqx.AbstractVar[_C]
     cluster_fn: eqx.AbstractVar[Callable[[Any], Any]]
     weights: eqx.AbstractVar[tuple[float, ...] | None]
 
@@ -400,7 +401,7 @@ class AbstractClusteredBuffer(AbstractRowBlocked, AbstractReplayBuffer):
         return eqx.tree_at(lambda b: (b.storage, b.rule), self, (storage, rule))
 
 
-class ClusteredBuffer(AbstractClusteredBuffer):
+class ClusteredBuffer(AbstractClusteredBuffer[UniformInCluster]):
     """Clustered replay, uniform inside each cluster: `sample` draws a cluster uniformly (or
     by `weights`) among those holding items, then an item uniformly inside it. So item `i` of
     cluster `c` is drawn with probability `w_c / sum_{c' held} w_c' * 1 / n_c` (`n_c` the
@@ -430,8 +431,7 @@ class ClusteredBuffer(AbstractClusteredBuffer):
     """
 
     storage: ClusterStorage
-    # (an AbstractVar may be narrowed by a subclass; pyright reads it as a mutable field)
-    rule: UniformInCluster  # pyright: ignore[reportIncompatibleVariableOverride]
+    rule: UniformInCluster
     cluster_fn: Callable[[Any], Any] = eqx.field(static=True)
     weights: tuple[float, ...] | None = eqx.field(static=True)
 
@@ -469,7 +469,7 @@ class ClusteredBuffer(AbstractClusteredBuffer):
             weights,
         )
         self.cluster_fn = cluster_fn
-        self.rule = UniformInCluster()  # pyright: ignore[reportIncompatibleVariableOverride]
+        self.rule = UniformInCluster()
 
     @recorded
     def sample(self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1) -> ClusteredSample:
@@ -517,7 +517,7 @@ class ClusteredBuffer(AbstractClusteredBuffer):
 
 
 class PrioritisedClusteredBuffer(
-    AbstractClusteredBuffer, RulePriorities, AbstractPrioritisedSource
+    AbstractClusteredBuffer[PrioritisedInCluster], RulePriorities, AbstractPrioritisedSource
 ):
     """Prioritised clustered replay: items routed to clusters as in
     [`equibuffer.ClusteredBuffer`][], drawn by cluster first, then by priority inside the
@@ -567,8 +567,7 @@ class PrioritisedClusteredBuffer(
     """
 
     storage: ClusterStorage
-    # (an AbstractVar may be narrowed by a subclass; pyright reads it as a mutable field)
-    rule: PrioritisedInCluster  # pyright: ignore[reportIncompatibleVariableOverride]
+    rule: PrioritisedInCluster
     cluster_fn: Callable[[Any], Any] = eqx.field(static=True)
     weights: tuple[float, ...] | None = eqx.field(static=True)
 
@@ -597,7 +596,7 @@ class PrioritisedClusteredBuffer(
             where, example, add_batch_size, num_clusters, cluster_capacity, cluster_fn, weights
         )
         self.cluster_fn = cluster_fn
-        self.rule = PrioritisedInCluster(  # pyright: ignore[reportIncompatibleVariableOverride]
+        self.rule = PrioritisedInCluster(
             trees=SumTrees(num_clusters, self.storage.cluster_capacity),
             max_priority=jnp.array(1.0, jnp.float32),
             alpha=check_alpha(where, alpha),
@@ -675,7 +674,7 @@ class PrioritisedClusteredBuffer(
     @recorded
     def set_priorities(
         self,
-        sample: Sample | Int[ArrayLike, " batch"],
+        sample: AbstractSample | Int[ArrayLike, " batch"],
         priorities: Float[ArrayLike, " batch"],
         *,
         steps: Steps | None = None,

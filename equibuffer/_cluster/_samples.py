@@ -1,11 +1,14 @@
 """What a clustered buffer's `sample` returns: the sample types, with each item's cluster."""
 
-from jaxtyping import Array, Int
+from typing import Any
 
-from .._buffers._samples import PrioritisedSample, Sample
+from jaxtyping import Array, Float, Int, UInt32
+
+from .._buffers._samples import AbstractPrioritisedSample, AbstractSample, error_field
+from .._custom_types import Indices, Steps
 
 
-class ClusteredSample(Sample):
+class ClusteredSample(AbstractSample):
     """What [`equibuffer.ClusteredBuffer.sample`][] returns: a [`equibuffer.Sample`][] plus
     the cluster of each item.
 
@@ -33,10 +36,14 @@ class ClusteredSample(Sample):
         ```
     """
 
+    experience: Any
+    indices: Indices
+    steps: Steps
     cluster: Int[Array, " batch"]
+    error: UInt32[Array, ""] = error_field()
 
 
-class PrioritisedClusteredSample(PrioritisedSample):
+class PrioritisedClusteredSample(AbstractPrioritisedSample):
     """What [`equibuffer.PrioritisedClusteredBuffer.sample`][] returns: a
     [`equibuffer.PrioritisedSample`][] plus the cluster of each item.
 
@@ -65,4 +72,10 @@ class PrioritisedClusteredSample(PrioritisedSample):
         ```
     """
 
+    experience: Any
+    indices: Indices
+    steps: Steps
+    probabilities: Float[Array, " batch"]
+    weights: Float[Array, " batch"]
     cluster: Int[Array, " batch"]
+    error: UInt32[Array, ""] = error_field()

@@ -22,8 +22,20 @@ EpisodeEnd: TypeAlias = str | Callable[[PyTree[Shaped[Array, "..."]]], Any]
 Mode: TypeAlias = Literal["never_cross", "pad"]
 
 
+def check_episode_end_kind(where: str, episode_end: Any) -> EpisodeEnd:
+    """`episode_end`, checked to be a leaf's name or a function (what a rule is built from;
+    `check_episode_end` checks it against the example when a buffer sizes the rule)."""
+    if not isinstance(episode_end, str) and not callable(episode_end):
+        raise TypeError(
+            f"{where}: `episode_end` must be the name of a boolean leaf or a function "
+            f"`step -> bool`, got {episode_end!r}."
+        )
+    return cast(EpisodeEnd, episode_end)
+
+
 def check_episode_end(where: str, example: Any, episode_end: Any) -> EpisodeEnd:
     """Validate `episode_end` against the example (a tree of `jax.ShapeDtypeStruct`s)."""
+    episode_end = check_episode_end_kind(where, episode_end)
     if isinstance(episode_end, str):
         if not isinstance(example, Mapping) or episode_end not in example:
             leaves = jax.tree_util.tree_flatten_with_path(example)[0]
@@ -42,11 +54,6 @@ def check_episode_end(where: str, example: Any, episode_end: Any) -> EpisodeEnd:
                 "`terminated | truncated` as a bool, or pass a function `step -> bool`."
             )
         return episode_end
-    if not callable(episode_end):
-        raise TypeError(
-            f"{where}: `episode_end` must be the name of a boolean leaf or a function "
-            f"`step -> bool`, got {episode_end!r}."
-        )
     out = jax.eval_shape(episode_end, example)
     if not hasattr(out, "shape") or tuple(out.shape) != () or jnp.dtype(out.dtype) != jnp.bool_:
         got = (

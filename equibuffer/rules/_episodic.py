@@ -14,7 +14,7 @@ from .._ring import Appended, RingStorage
 from .._sumtree import SumTree
 from ._base import AbstractUniformRule, unless
 from ._episode_ends import (
-    check_episode_end,
+    check_episode_end_kind,
     check_mode,
     EpisodeEnd,
     EpisodeEnds,
@@ -144,8 +144,7 @@ class Episodic(AbstractUniformRule):
         return Drawn(indices, start_steps(storage, window_offsets(storage, indices)))
 
 
-def episodic(where: str, storage: RingStorage, episode_end: Any, mode: Any) -> Episodic:
-    """A new `Episodic` rule sized for `storage` (arguments checked, errors start with
-    `where`)."""
-    episode_end = check_episode_end(where, storage.example(), episode_end)
-    return Episodic(episode_end, check_mode(where, mode)).sized(where, storage)
+def episodic(where: str, episode_end: Any, mode: Any) -> Episodic:
+    """A new `Episodic` rule of checked configuration (errors start with `where`; its
+    episode-end leaf is checked against the example when a buffer sizes it)."""
+    return Episodic(check_episode_end_kind(where, episode_end), check_mode(where, mode))

@@ -109,6 +109,6 @@ class Prioritised(ByTheCounters, AbstractPrioritisedRule):
         return reprioritised_tree(self, update, current)
 
 
-def prioritised(where: str, storage: RingStorage, alpha: Any) -> Prioritised:
-    """A new `Prioritised` rule sized for `storage` (`alpha` checked)."""
-    return Prioritised(check_alpha(where, alpha)).sized(where, storage)
+def prioritised(where: str, alpha: Any) -> Prioritised:
+    """A new `Prioritised` rule of checked `alpha` (errors start with `where`)."""
+    return Prioritised(check_alpha(where, alpha))

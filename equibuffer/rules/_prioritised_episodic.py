@@ -14,7 +14,7 @@ from .._sumtree import SumTree
 from ._base import AbstractPrioritisedRule, unless
 from ._by_priority import check_alpha, draw_by_priority, reprioritised_tree
 from ._episode_ends import (
-    check_episode_end,
+    check_episode_end_kind,
     check_mode,
     EpisodeEnd,
     EpisodeEnds,
@@ -164,10 +164,10 @@ class PrioritisedEpisodic(AbstractPrioritisedRule):
 
 
 def prioritised_episodic(
-    where: str, storage: RingStorage, episode_end: Any, mode: Any, alpha: Any
+    where: str, episode_end: Any, mode: Any, alpha: Any
 ) -> PrioritisedEpisodic:
-    """A new `PrioritisedEpisodic` rule sized for `storage` (arguments checked)."""
+    """A new `PrioritisedEpisodic` rule of checked configuration (errors start with
+    `where`; its episode-end leaf is checked against the example when a buffer sizes it)."""
     alpha = check_alpha(where, alpha)
-    episode_end = check_episode_end(where, storage.example(), episode_end)
-    rule = PrioritisedEpisodic(episode_end, check_mode(where, mode), alpha)
-    return rule.sized(where, storage)
+    episode_end = check_episode_end_kind(where, episode_end)
+    return PrioritisedEpisodic(episode_end, check_mode(where, mode), alpha)

@@ -15,6 +15,7 @@ import numpy as np
 from jaxtyping import ArrayLike, Bool, Float, Integer, PyTree, Shaped
 
 from .. import rules, views
+from ..rules._base import ByTheCounters
 
 
 _Window = tuple[int, int]  # (row, absolute start step)
@@ -607,7 +608,7 @@ def rule_model(rule: Any, window: Any) -> "UniformRule | EpisodeRule | Any":
         assert isinstance(rule_model(eb.rules.Episodic(mode="pad"), window), EpisodeRule)
         ```
     """
-    if isinstance(rule, rules.Uniform | rules.Prioritised | rules.RankPrioritised):
+    if isinstance(rule, ByTheCounters):  # valid by the counters alone: Uniform, Prioritised, ...
         return UniformRule(window.length, window.period)
     if isinstance(rule, rules.Episodic | rules.PrioritisedEpisodic):
         e = rule.episodes

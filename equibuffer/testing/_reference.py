@@ -31,10 +31,10 @@ from jaxtyping import ArrayLike, Float, Integer, PyTree, Shaped
 from .._buffers._base import AbstractBuffer
 from .._buffers._queue import Queue
 from .._buffers._samples import (
+    AbstractPrioritisedSample,
+    AbstractSample,
     EpisodeSample,
     PrioritisedEpisodeSample,
-    PrioritisedSample,
-    Sample,
 )
 from ..rules import Prioritised, PrioritisedEpisodic
 from ..views._nstep import NStepTransition
@@ -301,14 +301,14 @@ class BufferReference:
             return "all zero"
         return None
 
-    def windows(self, sample: Sample) -> list[tuple[int, int]]:
+    def windows(self, sample: AbstractSample) -> list[tuple[int, int]]:
         """The windows `(row, absolute start)` a sample drew, from its `indices` and `steps`."""
         pairs = zip(np.asarray(sample.indices), np.asarray(sample.steps), strict=True)
         return [window_of(i, t, self.history.length) for i, t in pairs]
 
     def set_priorities(
         self,
-        sample: Sample | Integer[ArrayLike, " batch"],
+        sample: AbstractSample | Integer[ArrayLike, " batch"],
         priorities: Float[ArrayLike, " batch"],
         *,
         steps: Integer[ArrayLike, " batch"] | None = None,
@@ -317,7 +317,7 @@ class BufferReference:
         steps=...)`): updates of windows valid now are applied, the others dropped."""
         if self.priorities is None:
             raise TypeError("BufferReference.set_priorities(): the reference has no `alpha`.")
-        if isinstance(sample, Sample):
+        if isinstance(sample, AbstractSample):
             windows = self.windows(sample)
         else:
             assert steps is not None, "pass `steps=` with indices"
@@ -347,7 +347,7 @@ class BufferReference:
             return NStepTransition(**fields)
         return stack(*each)
 
-    def check_sample(self, sample: Sample, beta: float = 1.0) -> None:
+    def check_sample(self, sample: AbstractSample, beta: float = 1.0) -> None:
         """Assert that `sample` (what `buffer.sample(key, batch_size, ...)` returned) is one
         the buffer may return now: every window valid; its experience the data of that
         window, in the view's form, zero past an episode end; the episode `mask`; for a
@@ -385,7 +385,7 @@ class BufferReference:
         if self.priorities is not None:
             p = np.array([self.priorities.probability(w) for w in windows])
             assert (p > 0).all(), "a window of priority 0 was drawn"
-            assert isinstance(sample, PrioritisedSample), type(sample)
+            assert isinstance(sample, AbstractPrioritisedSample), type(sample)
             got_p, got_w = np.asarray(sample.probabilities), np.asarray(sample.weights)
             np.testing.assert_allclose(got_p, p, rtol=1e-5, err_msg="probabilities")
             weights = (p / p.min()) ** -beta
@@ -478,7 +478,7 @@ class QueueReference:
         self.history.add(steps)
         self.unread += t
 
-    def check_sample(self, sample: Sample) -> None:
+    def check_sample(self, sample: AbstractSample) -> None:
         """Assert that `sample` (from `queue.sample()`) holds the oldest `sequence_length`
         unread steps of every row, in order, with their indices and steps; then mark them
         read, as the queue did."""

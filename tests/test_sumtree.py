@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from equibuffer._sumtree import _writes
-from equibuffer._sumtree import SumTree
-from equibuffer._sumtree import SumTrees
+from equibuffer._sumtree import _writes, SumTree, SumTrees
 
 from .helpers import budget, chi_square_pvalue, scatters
 

@@ -101,19 +101,24 @@ class AbstractRingHolder(eqx.Module):
 
 class AbstractRowBlocked(eqx.Module):
     """Anything whose `sample` draws by blocks of rows (`row_blocks`): the ring buffers and
-    the clustered ones check `sample`'s arguments the same way."""
+    the clustered ones check the arguments of `sample` and `epoch` the same way."""
 
     @abc.abstractmethod
     def _row_blocks(self, where: str, row_blocks: int, batch_size: int) -> int:
         """`row_blocks` checked against what the buffer splits into blocks."""
 
+    def _keyed_arguments(self, method: str, key: PRNGKeyArray, batch_size: int) -> tuple[str, int]:
+        """The name for errors of the buffer's `method` (`sample`, `epoch`), and its `key`
+        and `batch_size` checked."""
+        where = f"{type(self).__name__}.{method}()"
+        check_key(where, key)
+        return where, check_positive_int(where, "batch_size", batch_size)
+
     def _sample_arguments(
         self, key: PRNGKeyArray, batch_size: int, row_blocks: int
     ) -> tuple[str, int, int]:
         """`sample`'s name for errors, and its `key`, `batch_size` and `row_blocks` checked."""
-        where = f"{type(self).__name__}.sample()"
-        check_key(where, key)
-        batch_size = check_positive_int(where, "batch_size", batch_size)
+        where, batch_size = self._keyed_arguments("sample", key, batch_size)
         return where, batch_size, self._row_blocks(where, row_blocks, batch_size)
 
 
@@ -432,9 +437,7 @@ class AbstractBuffer(AbstractRingHolder, AbstractRowBlocked, AbstractReplayBuffe
             assert sorted(firsts) == [0, 1, 2, 3, 4]  # each pair once
             ```
         """
-        where = f"{type(self).__name__}.epoch()"
-        check_key(where, key)
-        batch_size = check_positive_int(where, "batch_size", batch_size)
+        where, batch_size = self._keyed_arguments("epoch", key, batch_size)
         valid = self.rule.valid_starts(self.storage, self.window)
         epoch = plan_epoch(self.storage, valid, key, batch_size)
         ready = self.can_sample()

@@ -9,7 +9,7 @@ touches `add_batch_size * min(T + sequence_length - 1, max_length_time_axis)` le
 loop.
 """
 
-from typing import Unpack
+from typing import Any, Unpack
 
 import equinox as eqx
 from jaxtyping import Array, Bool, Int
@@ -43,7 +43,24 @@ def _prioritised_episodic(rule: object) -> PrioritisedEpisodic:
     return rule
 
 
-class EpisodeTrajectoryBuffer(AbstractUniformBuffer):
+class RuleEpisodes(eqx.Module):
+    """`ends` and `mode` of a buffer whose rule keeps the episodes: the episode trajectory
+    buffers, uniform and prioritised."""
+
+    rule: eqx.AbstractVar[Any]
+
+    @property
+    def ends(self) -> Bool[Array, "rows length"]:
+        """The episode-end flag of every slot of the ring."""
+        return _episodic(self.rule).episodes.ends
+
+    @property
+    def mode(self) -> Mode:
+        """`"never_cross"` or `"pad"`."""
+        return _episodic(self.rule).episodes.mode
+
+
+class EpisodeTrajectoryBuffer(AbstractUniformBuffer, RuleEpisodes):
     """A [`equibuffer.TrajectoryBuffer`][] whose windows stay inside one episode.
 
     `episode_end` marks the last step of an episode (termination and truncation both end
@@ -138,18 +155,8 @@ class EpisodeTrajectoryBuffer(AbstractUniformBuffer):
         """The [`equibuffer.SumTree`][] of 0/1 leaves: 1 at each valid window start."""
         return _episodic(self.rule).tree
 
-    @property
-    def ends(self) -> Bool[Array, "rows length"]:
-        """The episode-end flag of every slot of the ring."""
-        return _episodic(self.rule).episodes.ends
 
-    @property
-    def mode(self) -> Mode:
-        """`"never_cross"` or `"pad"`."""
-        return _episodic(self.rule).episodes.mode
-
-
-class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
+class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer, RuleEpisodes):
     """An [`equibuffer.EpisodeTrajectoryBuffer`][] that draws its valid windows in proportion
     to their priority: window `i` with probability `p_i**alpha / sum_k p_k**alpha`, the sum
     over the windows valid by the episode rule (`mode="never_cross"` or `"pad"`, exactly as
@@ -220,16 +227,6 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer):
         self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
             where, example, add_batch_size, sizes, rule, view, period=period
         )
-
-    @property
-    def ends(self) -> Bool[Array, "rows length"]:
-        """The episode-end flag of every slot of the ring."""
-        return _episodic(self.rule).episodes.ends
-
-    @property
-    def mode(self) -> Mode:
-        """`"never_cross"` or `"pad"`."""
-        return _episodic(self.rule).episodes.mode
 
     @property
     def valid(self) -> Bool[Array, "rows length"]:

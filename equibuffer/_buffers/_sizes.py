@@ -22,106 +22,38 @@ from .._custom_types import ExampleTree
 from .._ring import RingStorage
 
 
-def _one_of(where: str, given: dict[str, int | None], expected: str) -> tuple[str, int] | None:
+def _one_of(
+    where: str,
+    flat: bool,
+    totals: dict[str, int | None],
+    alias: tuple[str, int | None],
+    per_row: tuple[str, int | None],
+) -> tuple[str, tuple[str, int] | None]:
+    """At most one of a size's spellings: in total (`totals`, and Flashbax's `alias` on a
+    flat buffer, refused on the others with what to pass) or `per_row`. Returns the
+    spellings in total as errors name them, and the one given with its value checked (None
+    if none was)."""
+    (alias_name, alias_value), (row_name, row_value) = alias, per_row
+    first = next(iter(totals))
+    if not flat and alias_value is not None:
+        raise TypeError(
+            f"{where}: `{alias_name}` is not taken here: it is Flashbax's name for a flat or "
+            f"item buffer's total, and trajectory buffers count per row. Pass `{row_name}=` "
+            f"(steps per row) or `{first}=` (steps in total)."
+        )
+    aliases = [*list(totals)[1:], *([alias_name] if flat else [])]
+    named = f"`{first}`" + (f" (alias {', '.join(f'`{n}`' for n in aliases)})" if aliases else "")
+    given = {**totals, row_name: row_value}
+    if flat:
+        given[alias_name] = alias_value
     chosen = {k: v for k, v in given.items() if v is not None}
     if len(chosen) > 1:
+        expected = f"{named}, steps in total, or `{row_name}`, per row"
         raise TypeError(f"{where}: give only one of {expected}, got {chosen}.")
     if not chosen:
-        return None
+        return named, None
     ((name, value),) = chosen.items()
-    return name, check_positive_int(where, name, value)
-
-
-def _refuse_flashbax_flat_name(where: str, name: str, value: int | None, use: str) -> None:
-    if value is not None:
-        raise TypeError(
-            f"{where}: `{name}` is not taken here: it is Flashbax's name for a flat or item "
-            f"buffer's total, and trajectory buffers count per row. Pass {use}."
-        )
-
-
-def ring_length(
-    where: str,
-    rows: int,
-    *,
-    flat: bool,
-    capacity: int | None,
-    max_size: int | None,
-    max_length: int | None,
-    max_length_time_axis: int | None,
-) -> int:
-    """The steps held per row, from exactly one size argument.
-
-    `flat` marks buffers whose Flashbax counterpart is flat or item-shaped, where
-    `max_length` means the total.
-    """
-    if not flat:
-        _refuse_flashbax_flat_name(
-            where,
-            "max_length",
-            max_length,
-            "`max_length_time_axis=` (steps per row) or `capacity=` (steps in total)",
-        )
-    totals = ("`capacity` (alias `max_size`" + (", `max_length`" if flat else "")) + ")"
-    given = {
-        "capacity": capacity,
-        "max_size": max_size,
-        "max_length_time_axis": max_length_time_axis,
-    }
-    if flat:
-        given["max_length"] = max_length
-    chosen = _one_of(where, given, f"{totals}, steps in total, or `max_length_time_axis`, per row")
-    if chosen is None:
-        raise TypeError(
-            f"{where}: give the buffer's size: {totals}, steps in total, or "
-            "`max_length_time_axis`, steps per row."
-        )
-    name, value = chosen
-    return value if name == "max_length_time_axis" else math.ceil(value / rows)
-
-
-def min_length_time_axis(
-    where: str,
-    rows: int,
-    length: int,
-    needs: int,
-    *,
-    flat: bool,
-    min_size: int | None,
-    min_length: int | None,
-    min_length_time_axis: int | None,
-) -> int:
-    """The steps per row before sampling: from at most one minimum argument, never fewer than
-    the `needs` steps one sample spans (the default), never more than `length`."""
-    if not flat:
-        _refuse_flashbax_flat_name(
-            where,
-            "min_length",
-            min_length,
-            "`min_length_time_axis=` (steps per row) or `min_size=` (steps in total)",
-        )
-    totals = "`min_size`" + (" (alias `min_length`)" if flat else "")
-    given = {"min_size": min_size, "min_length_time_axis": min_length_time_axis}
-    if flat:
-        given["min_length"] = min_length
-    chosen = _one_of(where, given, f"{totals}, steps in total, or `min_length_time_axis`, per row")
-    if chosen is None:
-        return needs
-    name, value = chosen
-    if name == "min_length_time_axis":
-        if not needs <= value <= length:
-            raise ValueError(
-                f"{where}: min_length_time_axis={value} is out of range: a row must hold at "
-                f"least the {needs} steps one sample spans and at most the "
-                f"{length} steps it keeps (max_length_time_axis)."
-            )
-        return value
-    if value > rows * length:
-        raise ValueError(
-            f"{where}: {name}={value} is more than the buffer holds ({rows * length} steps: "
-            f"{rows} rows of {length})."
-        )
-    return max(needs, math.ceil(value / rows))
+    return named, (name, check_positive_int(where, name, value))
 
 
 class Sizes(TypedDict, total=False):
@@ -193,16 +125,28 @@ class SizeArgs(NamedTuple):
     ) -> RingStorage:
         """The ring of `add_batch_size` rows, sized by the arguments."""
         rows = check_positive_int(where, "add_batch_size", add_batch_size)
-        length = ring_length(
+        return RingStorage(example, rows, self._ring_length(where, rows, flat))
+
+    def _ring_length(self, where: str, rows: int, flat: bool) -> int:
+        """The steps held per row, from exactly one size argument.
+
+        `flat` marks buffers whose Flashbax counterpart is flat or item-shaped, where
+        `max_length` means the total.
+        """
+        totals, chosen = _one_of(
             where,
-            rows,
-            flat=flat,
-            capacity=self.capacity,
-            max_size=self.max_size,
-            max_length=self.max_length,
-            max_length_time_axis=self.max_length_time_axis,
+            flat,
+            {"capacity": self.capacity, "max_size": self.max_size},
+            ("max_length", self.max_length),
+            ("max_length_time_axis", self.max_length_time_axis),
         )
-        return RingStorage(example, rows, length)
+        if chosen is None:
+            raise TypeError(
+                f"{where}: give the buffer's size: {totals}, steps in total, or "
+                "`max_length_time_axis`, steps per row."
+            )
+        name, value = chosen
+        return value if name == "max_length_time_axis" else math.ceil(value / rows)
 
     def min_length_time_axis_for(
         self, where: str, storage: RingStorage, window: int, window_name: str, *, flat: bool
@@ -215,13 +159,34 @@ class SizeArgs(NamedTuple):
                 f"{storage.length} steps per row); raise capacity (or max_length_time_axis) or "
                 "shorten the window."
             )
-        return min_length_time_axis(
+        return self._min_length_time_axis(where, storage.rows, storage.length, window, flat)
+
+    def _min_length_time_axis(
+        self, where: str, rows: int, length: int, needs: int, flat: bool
+    ) -> int:
+        """The steps per row before sampling: from at most one minimum argument, never fewer
+        than the `needs` steps one sample spans (the default), never more than `length`."""
+        _, chosen = _one_of(
             where,
-            storage.rows,
-            storage.length,
-            window,
-            flat=flat,
-            min_size=self.min_size,
-            min_length=self.min_length,
-            min_length_time_axis=self.min_length_time_axis,
+            flat,
+            {"min_size": self.min_size},
+            ("min_length", self.min_length),
+            ("min_length_time_axis", self.min_length_time_axis),
         )
+        if chosen is None:
+            return needs
+        name, value = chosen
+        if name == "min_length_time_axis":
+            if not needs <= value <= length:
+                raise ValueError(
+                    f"{where}: min_length_time_axis={value} is out of range: a row must hold "
+                    f"at least the {needs} steps one sample spans and at most the "
+                    f"{length} steps it keeps (max_length_time_axis)."
+                )
+            return value
+        if value > rows * length:
+            raise ValueError(
+                f"{where}: {name}={value} is more than the buffer holds ({rows * length} "
+                f"steps: {rows} rows of {length})."
+            )
+        return max(needs, math.ceil(value / rows))

@@ -17,7 +17,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from .._buffers._base import AbstractRowBlocked
 from .._buffers._epochs import check_epoch, Epoch, epoch_batch_windows, shuffle_valid
-from .._checks import check_key, check_positive_int, check_row_blocks
+from .._checks import check_positive_int, check_row_blocks
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar, StepCount
 from .._errors import error_if, record, recorded
 from .._protocol import AbstractReplayBuffer
@@ -172,9 +172,7 @@ class AbstractClusteredBuffer(AbstractRowBlocked, AbstractReplayBuffer, Generic[
             assert sorted(seen) == [-6.0, -4.0, -1.0, 2.0, 3.0, 5.0]  # cluster 1's weight 0 too
             ```
         """
-        where = f"{type(self).__name__}.epoch()"
-        check_key(where, key)
-        batch_size = check_positive_int(where, "batch_size", batch_size)
+        where, batch_size = self._keyed_arguments("epoch", key, batch_size)
         cap = self.cluster_capacity
         # A cluster's ring fills from slot 0 and wraps only once full: it holds `[0, fill)`.
         held = jnp.arange(cap, dtype=jnp.int32)[None, :] < self.storage.fill[:, None]

@@ -64,6 +64,18 @@ def check_row_blocks(where: str, row_blocks: Any, sizes: dict[str, int], block: 
     return row_blocks
 
 
+def check_indices(where: str, indices: Any) -> jax.Array:
+    """`indices` as an array, checked at trace time to be 1-d and of an integer dtype (their
+    range is checked inside jit, by the caller)."""
+    indices = jnp.asarray(indices)
+    if indices.ndim != 1 or not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise TypeError(
+            f"{where}: `indices` must be a 1-d integer array, got shape {indices.shape} "
+            f"and dtype {indices.dtype}."
+        )
+    return indices
+
+
 def as_example_leaf(path: Sequence[Any], leaf: Any) -> jax.ShapeDtypeStruct:
     """Shape and dtype of one leaf of the example tree given to a constructor."""
     if isinstance(leaf, jax.ShapeDtypeStruct):

@@ -17,6 +17,16 @@ from .rules._base import AbstractRule
 _Tree = TypeVar("_Tree")
 
 
+def _axis_size(where: str, mesh: Mesh, axis_name: str) -> int:
+    """The number of devices along the mesh axis `axis_name`, checked to be one of the
+    mesh's axes."""
+    if axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"{where}: the mesh has no axis {axis_name!r}; its axes are {mesh.axis_names}."
+        )
+    return mesh.shape[axis_name]
+
+
 def shard_rows(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
     """Return `tree` (a buffer, or any pytree holding buffers, such as a training state) with
     the stored steps of every [`equibuffer.RingStorage`][] in it split along their rows over
@@ -57,10 +67,7 @@ def shard_rows(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
         ```
     """
     where = "shard_rows()"
-    if axis_name not in mesh.axis_names:
-        raise ValueError(
-            f"{where}: the mesh has no axis {axis_name!r}; its axes are {mesh.axis_names}."
-        )
+    devices = _axis_size(where, mesh, axis_name)
     axis_type = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))[axis_name]
     if axis_type != AxisType.Auto:
         raise ValueError(
@@ -68,7 +75,6 @@ def shard_rows(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
             "`AxisType.Auto` (their sampling gathers leave the combination of shards to XLA). "
             f"Build the mesh with `jax.make_mesh(..., axis_types=(AxisType.Auto, ...))`."
         )
-    devices = mesh.shape[axis_name]
     split = NamedSharding(mesh, PartitionSpec(axis_name))
     whole = NamedSharding(mesh, PartitionSpec())
 
@@ -175,11 +181,7 @@ def per_device(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
         ```
     """
     where = "per_device()"
-    if axis_name not in mesh.axis_names:
-        raise ValueError(
-            f"{where}: the mesh has no axis {axis_name!r}; its axes are {mesh.axis_names}."
-        )
-    devices = mesh.shape[axis_name]
+    devices = _axis_size(where, mesh, axis_name)
     sharding = NamedSharding(mesh, PartitionSpec(axis_name))
 
     def place(x: Any) -> Any:

@@ -69,6 +69,17 @@ def generator(where: str, key: Any) -> np.random.Generator:
     )
 
 
+def sample_arguments(
+    where: str, key: Seed, batch_size: int, sequence_length: int, period: int
+) -> tuple[np.random.Generator, int, int, int]:
+    """The arguments of an archive's `sample` checked (errors start with `where`): the
+    generator `key` gives, `batch_size`, `sequence_length` and `period`."""
+    batch_size = check_positive_int(where, "batch_size", batch_size)
+    seq = check_positive_int(where, "sequence_length", sequence_length)
+    period = check_positive_int(where, "period", period)
+    return generator(where, key), batch_size, seq, period
+
+
 def sample(
     reader: Reader,
     key: Seed,
@@ -79,10 +90,7 @@ def sample(
 ) -> ArchiveSample:
     """`batch_size` windows drawn uniformly with replacement (see `Archive.sample`)."""
     where = "Archive.sample()"
-    batch_size = check_positive_int(where, "batch_size", batch_size)
-    seq = check_positive_int(where, "sequence_length", sequence_length)
-    period = check_positive_int(where, "period", period)
-    rng = generator(where, key)
+    rng, batch_size, seq, period = sample_arguments(where, key, batch_size, sequence_length, period)
     row_ids = np.asarray(reader.row_ids(reader.rows_index(where, rows)), np.int64)
     firsts, counts = window_starts(reader, seq, period)
     per_row = int(sum(counts))

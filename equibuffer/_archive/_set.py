@@ -15,10 +15,9 @@ import numpy as np
 from jaxtyping import PyTree
 from zarr.abc.store import Store
 
-from .._checks import check_positive_int
 from ._archive import Archive
 from ._format import BufferLike
-from ._sampler import ArchiveSample, generator, Seed, window_starts
+from ._sampler import ArchiveSample, sample_arguments, Seed, window_starts
 
 
 class ArchiveSet:
@@ -126,10 +125,9 @@ class ArchiveSet:
         int seed, as for `Archive.sample`.
         """
         where = "ArchiveSet.sample()"
-        batch_size = check_positive_int(where, "batch_size", batch_size)
-        seq = check_positive_int(where, "sequence_length", sequence_length)
-        period = check_positive_int(where, "period", period)
-        rng = generator(where, key)
+        rng, batch_size, seq, period = sample_arguments(
+            where, key, batch_size, sequence_length, period
+        )
         windows = np.array(
             [a.rows * sum(window_starts(a._reader, seq, period)[1]) for a in self.archives],
             np.int64,

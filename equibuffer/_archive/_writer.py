@@ -42,6 +42,32 @@ _INLINE_BYTES = 1 << 20  # writes smaller than this run in the calling thread
 _MAX_PENDING = 2  # background writes (write_async) waiting at most: one running, one queued
 
 
+def _chunk(
+    row: np.ndarray,
+    old: int,
+    new: int,
+    c: int,
+    cs: int,
+    like: Chunks | Shards,
+    before: Callable[[], np.ndarray | None],
+) -> tuple[np.ndarray, int, int]:
+    """Chunk `c` (of `cs` steps) of one row of a leaf once its steps `[old, new)` (`row`:
+    the row's new steps) are written, and the steps `[a, b)` of the chunk they fill: their
+    slice of `row` when they fill it all, else a new array of `like`'s chunk shape and dtype
+    holding the chunk's committed steps, from `before()` (called only when the chunk has
+    some; None: none kept), then the new ones, then zeros."""
+    a, b = max(old, c * cs), min(new, (c + 1) * cs)
+    if a == c * cs and b == (c + 1) * cs:
+        return row[a - old : b - old], a, b
+    x = np.zeros(like.shape, like.dtype)
+    if a > c * cs:
+        prev = before()
+        if prev is not None:
+            x[: a - c * cs] = prev[: a - c * cs]
+    x[a - c * cs : b - c * cs] = row[a - old : b - old]
+    return x, a, b
+
+
 class StepsLostError(RuntimeError):
     """Raised by `Archive.write` when the ring overwrote steps that were never written (with
     `on_lost="warn"`, a [`equibuffer.StepsLostWarning`][] instead, and the steps still held are
@@ -354,19 +380,10 @@ class Writer:
         def put(task: tuple[int, int, int]) -> int:
             li, r, c = task
             chunks: Chunks = chunks_of[li]
-            block = host[li]
-            a, b = max(old, c * cs), min(new, (c + 1) * cs)
-            if a == c * cs and b == (c + 1) * cs:
-                x = block[r, a - old : b - old]
-            else:
-                x = np.zeros(chunks.shape, chunks.dtype)
-                if a > c * cs:
-                    prev = tail[(li, r)] if tail is not None else chunks.get(r, c)
-                    if prev is not None:
-                        x[: a - c * cs] = prev[: a - c * cs]
-                x[a - c * cs : b - c * cs] = block[r, a - old : b - old]
-                if b < (c + 1) * cs:
-                    keep[(li, r)] = x  # the new partial chunk (a copy: never the ring's)
+            before = lambda: tail[(li, r)] if tail is not None else chunks.get(r, c)  # noqa: E731
+            x, a, b = _chunk(host[li][r], old, new, c, cs, chunks, before)
+            if b < (c + 1) * cs:
+                keep[(li, r)] = x  # the new partial chunk (a copy: never the ring's)
             chunks.put(r, c, x)
             return b - a
 
@@ -425,18 +442,11 @@ class Writer:
         def encode(task: tuple[int, int, int]) -> int:
             li, s, r = task
             shards: Shards = shards_of[li]
-            block = host[li]
+            row = host[li][r]
             mine = {}
             done = 0
             for c in range(max(s * per, old // cs), min((s + 1) * per, -(-new // cs))):
-                a, b = max(old, c * cs), min(new, (c + 1) * cs)
-                if a == c * cs and b == (c + 1) * cs:
-                    x = block[r, a - old : b - old]
-                else:
-                    x = np.zeros(shards.shape, shards.dtype)
-                    if a > c * cs and r in prefix[li]:
-                        x[: a - c * cs] = prefix[li][r][: a - c * cs]
-                    x[a - c * cs : b - c * cs] = block[r, a - old : b - old]
+                x, a, b = _chunk(row, old, new, c, cs, shards, lambda: prefix[li].get(r))
                 data = mine[(r, c - s * per)] = shards.encode(x)
                 done += b - a
                 if s == last - 1 and new % ss:  # what the next write starts from

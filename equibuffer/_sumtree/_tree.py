@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
-from .._checks import check_key, check_positive_int
+from .._checks import check_indices, check_key, check_positive_int
 from .._errors import branched_error_if, error_if
 from ._layout import DEFAULT_FANOUT, DEFAULT_TOP, node_layout
 from ._search import block_runs, descend, descend_from, enter_runs
@@ -443,13 +443,7 @@ class SumTree(eqx.Module):
 
     def _check_indices(self, where: str, indices: Int[ArrayLike, " batch"]) -> Int[Array, " b"]:
         """Static checks (shape, dtype); the range is checked by the caller, with the rest."""
-        indices = jnp.asarray(indices)
-        if indices.ndim != 1 or not jnp.issubdtype(indices.dtype, jnp.integer):
-            raise TypeError(
-                f"{where}: `indices` must be a 1-d integer array, got shape {indices.shape} "
-                f"and dtype {indices.dtype}."
-            )
-        return indices.astype(jnp.int32)
+        return check_indices(where, indices).astype(jnp.int32)
 
     def node_array(self) -> tuple[Float[Array, " nodes"], int]:
         """The node array, and the number of trees in it (one)."""

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .._barriers import read_once
+from .._checks import check_indices
 from .._custom_types import BoolScalar, Indices, Steps
 from .._errors import branched_error_if
 from .._ring import RingStorage
@@ -128,11 +129,7 @@ def check_priority_update(
     indices = jnp.asarray(update.indices)
     steps = jnp.asarray(update.steps)
     new = jnp.asarray(update.priorities)
-    if indices.ndim != 1 or not jnp.issubdtype(indices.dtype, jnp.integer):
-        raise TypeError(
-            f"{where}: `indices` must be a 1-d integer array, got shape {indices.shape} "
-            f"and dtype {indices.dtype}."
-        )
+    indices = check_indices(where, indices)
     for name, x in (("priorities", new), ("steps", steps)):
         if x.shape != indices.shape:
             raise ValueError(

@@ -105,7 +105,9 @@ def check_dists(dist: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
         missing = sorted(package - held)
         assert not missing, f"{name} lacks files of equibuffer/: {missing}"
     extras = set(metadata.get_all("Provides-Extra") or [])
-    assert {"s3", "testing"} <= extras, f"{wheel.name} declares the extras {sorted(extras)}"
+    assert {"s3", "testing", "orbax"} <= extras, (
+        f"{wheel.name} declares the extras {sorted(extras)}"
+    )
     return wheel, sdist
 
 
@@ -122,7 +124,10 @@ def run_installed(session: nox.Session, *selection: str) -> None:
     session.run("uv", "tool", "run", "twine", "check", "--strict", str(wheel), str(sdist))
     deps = nox.project.dependency_groups(PYPROJECT, "tests")
     session.install(
-        f"equibuffer[s3,testing] @ {wheel.as_uri()}", *deps, "--reinstall-package", "equibuffer"
+        f"equibuffer[s3,testing,orbax] @ {wheel.as_uri()}",
+        *deps,
+        "--reinstall-package",
+        "equibuffer",
     )
     shutil.copytree(".", copy, ignore=lambda d, names: NOT_COPIED if d == "." else ())
     with session.chdir(copy):
@@ -133,7 +138,7 @@ def run_installed(session: nox.Session, *selection: str) -> None:
 def package(session: nox.Session) -> None:
     """The package as `pip` installs it: builds the sdist and the wheel, checks their metadata
     (`twine check --strict`) and contents (`py.typed` and every file of `equibuffer/`),
-    installs the wheel with its extras `[s3,testing]` into a fresh environment and runs the
+    installs the wheel with its extras `[s3,testing,orbax]` into a fresh environment and runs the
     tests against it from a copy of the repository without the source (`nox -s tests`'s
     selection; `nox -s package -- tests` runs the whole suite, as CI does on 3.12)."""
     run_installed(session, *(session.posargs or QUICK))

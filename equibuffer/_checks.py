@@ -85,6 +85,12 @@ def as_example_leaf(path: Sequence[Any], leaf: Any) -> jax.ShapeDtypeStruct:
             f"example leaf {keystr(path)} is {type(leaf).__name__} {leaf!r}; every leaf must be "
             "an array (e.g. jnp.float32(0.0) rather than 0.0) so that its dtype is explicit."
         )
+    if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        raise TypeError(
+            f"example leaf {keystr(path)} is a typed PRNG key ({leaf.dtype}); a buffer stores "
+            "arrays of numbers: store the key's data, jax.random.key_data(key) (uint32), and "
+            "wrap what you sample back with jax.random.wrap_key_data."
+        )
     return jax.ShapeDtypeStruct(tuple(leaf.shape), jnp.dtype(leaf.dtype))
 
 

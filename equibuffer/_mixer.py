@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree, Shaped, UInt32
 
+from ._axes import in_blocks, on_auto_axes
 from ._buffers._epochs import no_epochs
 from ._buffers._samples import AbstractSample
 from ._checks import check_key, check_positive_int, keystr, refuse_flashbax_only
@@ -247,6 +248,7 @@ class Mixer(AbstractPrioritisedSource):
         """
         return jnp.sum(jnp.stack([b.size() for b in self.buffers]), dtype=jnp.int32)
 
+    @on_auto_axes(split=in_blocks)
     @recorded
     def sample(
         self, key: PRNGKeyArray, batch_size: int, beta: Beta = 1.0, *, row_blocks: int = 1
@@ -317,6 +319,7 @@ class Mixer(AbstractPrioritisedSource):
             row_blocks=blocks,
         )
 
+    @on_auto_axes()
     @recorded
     def set_priorities(
         self, sample: MixedSample, priorities: Float[ArrayLike, " batch"]

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
+from ._axes import in_blocks, on_auto_axes
 from ._buffers._epochs import no_epochs
 from ._buffers._samples import AbstractSample
 from ._checks import check_positive_int, refuse_flashbax_only
@@ -332,6 +333,7 @@ class RateLimited(eqx.Module):
         self._check_deadlock(where, batch_size, 1, f"batch_size={batch_size} and one-step adds")
         return self.buffer.can_sample() & self._at_least(batch_size - self.tolerance)
 
+    @on_auto_axes()
     @recorded
     def add(self, batch: ExperienceBatch) -> "RateLimited":
         """Return the limiter with `batch` added to the buffer and, if the buffer can be
@@ -398,6 +400,7 @@ class RateLimited(eqx.Module):
             (buffer, new_whole, new_fraction),
         )
 
+    @on_auto_axes(split=in_blocks)
     @recorded
     def sample(
         self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1, **kwargs: Any
@@ -452,6 +455,7 @@ class RateLimited(eqx.Module):
         )
         return eqx.tree_at(lambda r: r.credit_whole, self, new_whole), sample
 
+    @on_auto_axes()
     @recorded
     def set_priorities(
         self, sample: AbstractSample, priorities: Float[ArrayLike, " batch"], **kwargs: Any

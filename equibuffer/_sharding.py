@@ -7,7 +7,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._cluster import ClusterStorage
 from ._ring import RingStorage
@@ -43,23 +43,27 @@ def shard_rows(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
     **Arguments:**
 
     - `tree`: the buffer or state to place.
-    - `mesh`: a `jax.sharding.Mesh` whose axis `axis_name` is of type `AxisType.Auto` (the
-        sampling gathers let XLA choose how to combine the shards).
+    - `mesh`: a `jax.sharding.Mesh`; its axes may be `Explicit` (JAX's default) or `Auto`.
+        On `Explicit` axes every method says the sharding of its results: a buffer keeps
+        its own, a sample is replicated, a sample of `row_blocks` split over `axis_name`
+        (see [Scaling](../scaling.md)).
     - `axis_name`: the mesh axis the rows are split over; its size must divide every
         storage's `rows` (the buffer's `add_batch_size`) and every clustered buffer's
         `cluster_capacity`.
 
     **Returns:**
 
-    `tree` with its arrays placed on `mesh` (`jax.device_put`).
+    `tree` with its arrays placed on `mesh` (`jax.device_put`). A tree of shapes (leaves
+    `jax.ShapeDtypeStruct`, as `eqx.filter_eval_shape(make_state)` returns) comes back with
+    each leaf given the sharding its array would have, allocating nothing: the template an
+    orbax checkpoint is restored into, sharded (see [Checkpoints](../checkpoints.md)).
 
     !!! example
 
         ```python
         import equibuffer as eb, jax, jax.numpy as jnp
-        from jax.sharding import AxisType
 
-        mesh = jax.make_mesh((jax.device_count(),), ("envs",), axis_types=(AxisType.Auto,))
+        mesh = jax.make_mesh((jax.device_count(),), ("envs",))  # Explicit axes: the default
         buffer = eb.TrajectoryBuffer({"obs": jnp.zeros(3)}, add_batch_size=4 * jax.device_count(),
                                      max_length_time_axis=16, sequence_length=4)
         buffer = eb.shard_rows(buffer, mesh, "envs")
@@ -68,13 +72,6 @@ def shard_rows(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
     """
     where = "shard_rows()"
     devices = _axis_size(where, mesh, axis_name)
-    axis_type = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))[axis_name]
-    if axis_type != AxisType.Auto:
-        raise ValueError(
-            f"{where}: mesh axis {axis_name!r} is of type {axis_type}; the buffers need "
-            "`AxisType.Auto` (their sampling gathers leave the combination of shards to XLA). "
-            f"Build the mesh with `jax.make_mesh(..., axis_types=(AxisType.Auto, ...))`."
-        )
     split = NamedSharding(mesh, PartitionSpec(axis_name))
     whole = NamedSharding(mesh, PartitionSpec())
 
@@ -103,20 +100,26 @@ def shard_rows(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
         for kind, (part, sharding) in parts.items():
             if isinstance(node, kind):
                 return place_split(node, part(node), sharding)
-        if eqx.is_array(node):
-            return jax.device_put(node, whole)
-        return node
+        return _put(node, whole)
 
     def place_split(node: object, part: object, sharding: NamedSharding) -> object:
         split_ids = {id(leaf) for leaf in jax.tree.leaves(part)}
 
         def inner(x: object) -> object:
-            return jax.device_put(x, sharding) if id(x) in split_ids else place(x)
+            return _put(x, sharding) if id(x) in split_ids else place(x)
 
         return jax.tree.map(inner, node, is_leaf=lambda x: x is not node and is_leaf(x))
 
     is_leaf = lambda x: isinstance(x, tuple(parts))  # noqa: E731
     return jax.tree.map(place, tree, is_leaf=is_leaf)
+
+
+def _put(x: Any, sharding: NamedSharding) -> Any:
+    """An array placed with `sharding`; a `jax.ShapeDtypeStruct` (a leaf of a template made
+    by `eqx.filter_eval_shape`) given it, allocating nothing; anything else as it is."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.device_put(x, sharding) if eqx.is_array(x) else x
 
 
 def per_device(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
@@ -150,7 +153,9 @@ def per_device(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
 
     `tree` with every array `x` replaced by an array of shape `(n, *x.shape)`, `n` the size
     of the mesh axis, split over it: device `d` holds copy `d`. No device holds more than
-    its own copy at any time (each is placed from `x` directly).
+    its own copy at any time (each is placed from `x` directly). A leaf
+    `jax.ShapeDtypeStruct` (a template made by `eqx.filter_eval_shape`) becomes the shape
+    and sharding of its copies, allocating nothing (to restore a checkpoint into).
 
     !!! example
 
@@ -185,6 +190,8 @@ def per_device(tree: _Tree, mesh: Mesh, axis_name: str) -> _Tree:
     sharding = NamedSharding(mesh, PartitionSpec(axis_name))
 
     def place(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):  # a template's leaf: its copies' shape
+            return jax.ShapeDtypeStruct((devices, *x.shape), x.dtype, sharding=sharding)
         if not eqx.is_array(x):
             return x
         if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # a key: its data, wrapped

@@ -153,6 +153,16 @@ def test_example_leaf_must_be_an_array():
         eb.ItemBuffer({"reward": 0.0}, add_batch_size=1, max_length_time_axis=2)
 
 
+def test_example_leaf_must_not_be_a_typed_key():
+    with pytest.raises(TypeError, match=r"example leaf \['key'\] is a typed PRNG key \(key<fry>\)"):
+        eb.ItemBuffer({"key": jax.random.key(0)}, add_batch_size=1, max_length_time_axis=2)
+    # Its data is stored, and wrapped back.
+    data = jax.random.key_data(jax.random.key(3))
+    buffer = eb.ItemBuffer({"key": data}, add_batch_size=1, max_length_time_axis=2)
+    sample = buffer.add({"key": data[None]}).sample(jax.random.key(0), 1)
+    assert jax.random.wrap_key_data(sample.experience["key"][0]) == jax.random.key(3)
+
+
 def test_sample_batch_size_must_be_positive():
     buffer = _traj().add(_batch(t=3))
     with pytest.raises(ValueError, match="`batch_size` must be at least 1"):

@@ -19,7 +19,7 @@ PACKAGE = pathlib.Path(equibuffer.__file__).resolve().parent
 
 # The floors, lowest first: a module may import from its own floor or any floor below.
 FLOORS: list[set[str]] = [
-    {"_custom_types", "_checks", "_carried", "_errors", "_barriers", "_protocol"},
+    {"_custom_types", "_checks", "_carried", "_errors", "_barriers", "_protocol", "_axes"},
     {"_ring"},
     {"_sumtree"},
     {"rules"},

@@ -25,14 +25,15 @@ pytestmark = pytest.mark.slow  # starts processes: `nox -s slow`, and CI
 
 SCRIPT = textwrap.dedent(
     """
-    import json, time
+    import json, os, time
     import equinox as eqx, jax, jax.numpy as jnp
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     import equibuffer as eb
 
     jax.config.update("jax_numpy_dtype_promotion", "strict")
     assert jax.device_count() == 8
-    mesh = jax.make_mesh((8,), ("envs",), axis_types=(AxisType.Auto,))
+    axis_type = AxisType[os.environ["TEST_AXIS_TYPE"]]
+    mesh = jax.make_mesh((8,), ("envs",), axis_types=(axis_type,))
     from tests.mesh_errors import CASES, run, run_hidden
 
     for name, case in CASES.items():
@@ -78,12 +79,17 @@ EXPECTED = {
 }
 
 
-@pytest.fixture(scope="module", params=["recorded", "raise"])
+@pytest.fixture(
+    scope="module",
+    params=[(mode, axis) for mode in ("recorded", "raise") for axis in ("Auto", "Explicit")],
+    ids=lambda p: "-".join(p),
+)
 def results(request) -> dict:
     """The cases' results by default (failures recorded, raised by `eb.filter_jit` when the
     call returns) and in the debugging mode (`EQX_ON_ERROR=raise`: raised inside the call,
-    from every device)."""
-    env = {} if request.param == "recorded" else {"EQX_ON_ERROR": "raise"}
+    from every device), on a mesh whose axis is `Auto` and on one whose axis is `Explicit`."""
+    mode, axis = request.param
+    env = {"TEST_AXIS_TYPE": axis} | ({} if mode == "recorded" else {"EQX_ON_ERROR": "raise"})
     return json_lines_on_host_devices(SCRIPT, 8, timeout=420, key="case", **env)
 
 

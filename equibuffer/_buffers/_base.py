@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray, PyTree, Shaped
 
+from .._axes import in_blocks, on_auto_axes
 from .._checks import check_key, check_positive_int, check_row_blocks, check_structure, keystr
 from .._custom_types import BoolScalar, ExperienceBatch, IntScalar, StepCount
 from .._errors import branched_error_if, error_if, record, recorded
@@ -170,6 +171,7 @@ class AbstractBuffer(AbstractRingHolder, AbstractRowBlocked, AbstractReplayBuffe
         """The window the sampling rule draws: its length, period and name in errors."""
         return Window(self.view.window_length, self.period, self.view.window_name)
 
+    @on_auto_axes()
     @recorded
     def add(self: _Buffer, batch: ExperienceBatch) -> _Buffer:
         """Return the buffer with `batch` appended to every row.
@@ -396,6 +398,7 @@ class AbstractBuffer(AbstractRingHolder, AbstractRowBlocked, AbstractReplayBuffe
             rule = eqx.tree_at(lambda r: r.max_priority, rule, top)
         return self._with(storage, rule.updated(storage, self.window, restored=True))
 
+    @on_auto_axes()
     @recorded
     def epoch(self, key: PRNGKeyArray, batch_size: int) -> Epoch:
         """Plan an epoch: every window valid now, once each, in a uniformly random order,
@@ -455,6 +458,7 @@ class AbstractBuffer(AbstractRingHolder, AbstractRowBlocked, AbstractReplayBuffe
         )
         return eqx.tree_at(lambda e: e.count, epoch, count)
 
+    @on_auto_axes()
     @recorded
     def epoch_batch(
         self, epoch: Epoch, i: Int[ArrayLike, ""]
@@ -562,6 +566,7 @@ class AbstractUniformBuffer(AbstractBuffer[AbstractUniformRule]):
         ```
     """
 
+    @on_auto_axes(split=in_blocks)
     @recorded
     def sample(
         self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1

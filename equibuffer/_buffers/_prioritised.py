@@ -6,6 +6,7 @@ from typing import Any, TypeVar, Unpack
 import equinox as eqx
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
+from .._axes import in_blocks, on_auto_axes
 from .._custom_types import Beta, ExampleTree, Steps
 from .._errors import recorded
 from .._protocol import AbstractPrioritisedSource
@@ -98,6 +99,7 @@ class AbstractPrioritisedBuffer(
             )
         return tree
 
+    @on_auto_axes(split=in_blocks)
     @recorded
     def sample(
         self, key: PRNGKeyArray, batch_size: int, beta: Beta = 1.0, *, row_blocks: int = 1
@@ -160,6 +162,7 @@ class AbstractPrioritisedBuffer(
             return PrioritisedSample(**fields)
         return PrioritisedEpisodeSample(**fields, mask=mask)
 
+    @on_auto_axes()
     @recorded
     def set_priorities(
         self: _Prioritised,

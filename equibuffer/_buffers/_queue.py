@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, PRNGKeyArray
 
+from .._axes import on_auto_axes
 from .._checks import check_positive_int
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar
 from .._errors import error_if, recorded
@@ -237,6 +238,7 @@ class Queue(AbstractRingHolder):
         """
         return self.unread * self.storage.rows
 
+    @on_auto_axes()
     @recorded
     def add(self, batch: ExperienceBatch) -> "Queue":
         """Return the queue with `batch` appended to every row.
@@ -293,6 +295,7 @@ class Queue(AbstractRingHolder):
         storage, _ = self.storage.append(batch, "Queue.add()", refused=full)  # refused: as it was
         return eqx.tree_at(lambda q: (q.storage, q.unread), self, (storage, unread))
 
+    @on_auto_axes(split=lambda queue: queue.add_batch_size)
     @recorded
     def sample(self) -> tuple["Queue", Sample]:
         """Take the oldest `sequence_length` unread steps of every row.

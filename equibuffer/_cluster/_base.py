@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
+from .._axes import on_auto_axes
 from .._buffers._base import AbstractRowBlocked
 from .._buffers._epochs import check_epoch, Epoch, epoch_batch_windows, shuffle_valid
 from .._checks import check_positive_int, check_row_blocks
@@ -131,6 +132,7 @@ class AbstractClusteredBuffer(AbstractRowBlocked, AbstractReplayBuffer, Generic[
             return jnp.ones(self.num_clusters, jnp.float32)
         return jnp.asarray(self.weights, jnp.float32)
 
+    @on_auto_axes()
     @recorded
     def epoch(self, key: PRNGKeyArray, batch_size: int) -> Epoch:
         """Plan an epoch: every item held now, once each, in a uniformly random order, cut
@@ -185,6 +187,7 @@ class AbstractClusteredBuffer(AbstractRowBlocked, AbstractReplayBuffer, Generic[
         )
         return Epoch(indices=indices, steps=steps, count=count, batch_size=batch_size)
 
+    @on_auto_axes()
     @recorded
     def epoch_batch(
         self, epoch: Epoch, i: Int[ArrayLike, ""]
@@ -347,6 +350,7 @@ class AbstractClusteredBuffer(AbstractRowBlocked, AbstractReplayBuffer, Generic[
         """
         return self.storage.steps_in(batch, where)
 
+    @on_auto_axes()
     @recorded
     def add(self: _Clustered, batch: ExperienceBatch) -> _Clustered:
         """Route every item of `batch` to its cluster and append it there (a full cluster

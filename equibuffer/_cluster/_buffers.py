@@ -14,6 +14,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import ArrayLike, Float, Int, PRNGKeyArray
 
+from .._axes import in_blocks, on_auto_axes
 from .._buffers._prioritised import RulePriorities
 from .._buffers._samples import AbstractSample, priority_update
 from .._checks import refuse_flashbax_only
@@ -98,6 +99,7 @@ class ClusteredBuffer(AbstractClusteredBuffer[UniformInCluster]):
         self.cluster_fn = cluster_fn
         self.rule = UniformInCluster()
 
+    @on_auto_axes(split=in_blocks)
     @recorded
     def sample(self, key: PRNGKeyArray, batch_size: int, *, row_blocks: int = 1) -> ClusteredSample:
         """Draw `batch_size` items (with replacement, independently): for each, a cluster
@@ -236,6 +238,7 @@ class PrioritisedClusteredBuffer(
         the buffer's batched trees (`rule.trees`, every cluster's tree in one array)."""
         return tuple(self.rule.trees.tree(c) for c in range(self.num_clusters))
 
+    @on_auto_axes(split=in_blocks)
     @recorded
     def sample(
         self, key: PRNGKeyArray, batch_size: int, beta: Beta = 1.0, *, row_blocks: int = 1
@@ -298,6 +301,7 @@ class PrioritisedClusteredBuffer(
             cluster=drawn.cluster,
         )
 
+    @on_auto_axes()
     @recorded
     def set_priorities(
         self,

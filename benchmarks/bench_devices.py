@@ -18,7 +18,11 @@ figure is the overhead of the layout, not a speed-up: with `c` cores the best po
 `min(n, c) / n`, printed beside it. On a machine with `n` accelerators the same script measures
 real scaling (the issue's goal there: at least 0.9).
 
-    python -m benchmarks.bench_devices [--quick] [--devices 1,2,4,8] [--json PATH]
+Each layout runs on a mesh of `Auto` axes and on one of `Explicit` axes (JAX's default), and
+the ratio of the two is printed after.
+
+    python -m benchmarks.bench_devices [--quick] [--devices 1,2,4,8] [--axis-types Auto,Explicit]
+        [--json PATH]
 """
 
 import argparse
@@ -39,7 +43,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import equibuffer as eb
 
 n, rows, length, batch, steps, repeat = (int(x) for x in sys.argv[1:7])
-mesh = jax.make_mesh((n,), ("d",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+axis_type = AxisType[sys.argv[7]]
+mesh = jax.make_mesh((n,), ("d",), axis_types=(axis_type,), devices=jax.devices()[:n])
 split = NamedSharding(mesh, P("d"))
 shard_map = getattr(jax, "shard_map", None)
 if shard_map is None:  # jax < 0.6
@@ -99,7 +104,7 @@ def total(tree):
     return jnp.sum(jax.tree.leaves(tree)[0][..., 0])  # the sample is computed in memory
 
 
-result = {"devices": n}
+result = {"devices": n, "axis": axis_type.name}
 keys = jax.random.split(jax.random.key(0), steps)
 one_step = {"obs": jnp.ones((n * rows, 64), jnp.float32)}
 
@@ -132,7 +137,7 @@ print(json.dumps(result))
 """
 
 
-def run(n: int, args: argparse.Namespace) -> dict[str, Any]:
+def run(n: int, axis: str, args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ)
     import jax  # only to ask the platform; the worker imports it again with its devices
 
@@ -144,7 +149,7 @@ def run(n: int, args: argparse.Namespace) -> dict[str, Any]:
         ).strip()
     sizes = (n, args.rows, args.length, args.batch, args.steps, args.repeat)
     out = subprocess.run(
-        [sys.executable, "-c", WORKER, *map(str, sizes)],
+        [sys.executable, "-c", WORKER, *map(str, sizes), axis],
         env=env,
         capture_output=True,
         text=True,
@@ -166,18 +171,24 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="windows sampled per device")
     parser.add_argument("--steps", type=int, default=200, help="calls per scan")
     parser.add_argument("--repeat", type=int, default=5, help="timed scans (best taken)")
+    parser.add_argument(
+        "--axis-types",
+        default="Auto,Explicit",
+        help="mesh axis types, each run at every device count (the ratio printed after)",
+    )
     parser.add_argument("--json", default=None, help="write the figures to this file")
     args = parser.parse_args()
     if args.quick:
         args.length, args.steps, args.repeat = 512, 20, 3
     counts = [int(x) for x in args.devices.split(",") if x]
     cores = os.cpu_count() or 1
-    results = [run(n, args) for n in counts]
-    base = results[0]
+    axes = [a for a in args.axis_types.split(",") if a]
+    results = [run(n, axis, args) for n in counts for axis in axes]
     rows = []
     for r in results:
         n = r["devices"]
-        row: dict[str, Any] = {"devices": n, "platform": r["platform"]}
+        base = next(b for b in results if b["axis"] == r["axis"])  # its axis type's first
+        row: dict[str, Any] = {"devices": n, "axis": r["axis"], "platform": r["platform"]}
         for layout in ("shard_rows", "row_blocks", "per_device"):
             for op in ("add", "sample"):
                 t = r[f"{layout}_{op}"]
@@ -191,6 +202,20 @@ def main() -> None:
         f"call for the whole mesh (efficiency against linear, t(1) / t(n))."
     )
     print(table(rows))
+    if len(axes) > 1:  # the same layouts on the second axis type, against the first
+        ratios = []
+        for n in counts:
+            first, second = (
+                next(r for r in results if r["devices"] == n and r["axis"] == a) for a in axes[:2]
+            )
+            row = {"devices": n}
+            for layout in ("shard_rows", "row_blocks", "per_device"):
+                for op in ("add", "sample"):
+                    key = f"{layout}_{op}"
+                    row[f"{layout} {op}"] = f"{second[key] / first[key]:.2f}"
+            ratios.append(row)
+        print(f"\nTime on {axes[1]} axes / time on {axes[0]} axes (1.00: the same):")
+        print(table(ratios))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)

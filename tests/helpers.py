@@ -213,6 +213,12 @@ def largest_collective(fn, *args) -> int:
     return max([0, *result_sizes(_COLLECTIVE, compiled_hlo(fn, *args))])
 
 
+def collectives(fn, *args) -> list[int]:
+    """The size, in elements, of the result of every collective of the compiled `fn(*args)`
+    (its `args[0]` donated), largest first: what `fn` moves between devices."""
+    return sorted(result_sizes(_COLLECTIVE, compiled_hlo(fn, *args, donate=True)), reverse=True)
+
+
 def copies(fn, *args) -> list[int]:
     """The size, in elements, of every copy (`copy`, `copy-start`) in the compiled
     `fn(*args)` with `args[0]` donated: a copy of a whole donated array means XLA could not

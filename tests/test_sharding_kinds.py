@@ -4,7 +4,8 @@ sample move no stored experience between devices (no collective of storage size)
 with `sample(..., row_blocks=8)` for the clustered buffers, the `Mixer` and `RateLimited`,
 whose block sample then moves nothing but scalars and stays split over the devices, as the
 `Queue`'s sample does. An epoch (`epoch` and `epoch_batch`) gives the one-device batches.
-Each on a mesh whose axis is `Auto` and on one whose axis is `Explicit` (JAX's default).
+Each on a mesh whose axis is `Auto` and on one whose axis is `Explicit` (JAX's default), where
+the step moves no more than on `Auto`.
 
 Run in one subprocess with eight host CPU devices (the test process has one); it prints one
 line per kind as it finishes."""
@@ -25,7 +26,7 @@ SCRIPT = textwrap.dedent(
     import equinox as eqx, jax, jax.numpy as jnp, numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     import equibuffer as eb
-    from tests.helpers import largest_collective as moved
+    from tests.helpers import collectives, largest_collective as moved
     from tests.mesh_kinds import add, batch as mesh_batch, cluster_of, draw as mesh_draw, EXAMPLE
     from tests.mesh_kinds import kinds, sample as mesh_sample
 
@@ -83,6 +84,8 @@ SCRIPT = textwrap.dedent(
         alone = draw if not isinstance(split, eb.Queue) else lambda q, k, blocks: q.sample()[1]
         return {"kind": name, "shard": shard, "add": moved(add, split, b),
                 "sample": moved(lambda x, k: sample(x, k, blocks), split, key),
+                "collectives": collectives(lambda x, b, k: sample(add(x, b), k, blocks),
+                                           split, b, key),
                 "alone": moved(lambda x, k: alone(x, k, blocks), split, key),
                 "split": all(tuple(l.sharding.spec)[:1] == ("envs",)
                              for l in jax.tree.leaves(s2.experience)),
@@ -179,6 +182,18 @@ def test_kind_on_a_mesh_matches_one_device_and_moves_no_storage(results, kind, a
     assert got["sample"] <= got["drawn"], got
     if axis_type == "Explicit" and kind != "queue":  # its type says so: on every device
         assert got["replicated"], got
+
+
+@pytest.mark.parametrize("kind", [*KINDS, *(f"{k}_blocks" for k in BLOCK_KINDS)])
+def test_explicit_axes_move_no_more_than_auto_axes(results, kind):
+    """The step (add, sample, set_priorities) on an `Explicit` mesh moves between devices no
+    more than on an `Auto` one: no more collectives, none larger, no more in all. (Most kinds
+    compile to the same collectives; where XLA spreads a replicated sum tree's update over
+    the devices on `Auto` axes, the `Explicit` step, whose methods pin it replicated, moves
+    less.)"""
+    auto, explicit = (_case(results, f"{t}:{kind}")["collectives"] for t in AXIS_TYPES)
+    assert len(explicit) <= len(auto) and sum(explicit) <= sum(auto), (auto, explicit)
+    assert max([0, *explicit]) <= max([0, *auto]), (auto, explicit)
 
 
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)

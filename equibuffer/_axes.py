@@ -68,9 +68,11 @@ def _rows_axis(tree: Any) -> Any:
 
 
 def on_auto_axes(split: SplitOut | None = None) -> Callable[[_Method], _Method]:
-    """Mark a public buffer method: called on a buffer (or with arguments) whose arrays are
-    typed on a mesh with `Explicit` axes, its body runs on that mesh with those axes `Auto`
-    and its results are resharded as the module says; otherwise it is called as it is.
+    """Mark a public buffer method (every one that reads or writes the stored steps: `add`,
+    `sample`, `set_priorities`, `epoch`, `epoch_batch`, `update`, `with_storage`): called on a
+    buffer (or with arguments) whose arrays are typed on a mesh with `Explicit` axes, its
+    body runs on that mesh with those axes `Auto` and its results are resharded as the
+    module says; otherwise it is called as it is.
 
     **Arguments:**
 
@@ -93,10 +95,11 @@ def on_auto_axes(split: SplitOut | None = None) -> Callable[[_Method], _Method]:
             with jax.sharding.use_abstract_mesh(auto):
                 cast = jax.tree.map(lambda x: _cast(x, auto), inputs)
                 out = method(cast[0], *cast[1], **cast[2])
-            axis = _rows_axis(self) if split is not None else None
-            if split is not None and axis is not None:
-                if split(self, *args, **kwargs) % _size(mesh, axis):
-                    axis = None  # blocks across devices: combined, replicated
+            axis = None  # what the buffers return is replicated, unless drawn by blocks ...
+            if split is not None:
+                axis = _rows_axis(self)
+                if axis is not None and split(self, *args, **kwargs) % _size(mesh, axis):
+                    axis = None  # ... that fall whole on the devices
             return _declare(out, self, before, mesh, axis)
 
         return wrapper  # pyright: ignore[reportReturnType]

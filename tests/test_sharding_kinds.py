@@ -3,7 +3,8 @@ samples, keeps the placement and gives the one-device results; and the compiled 
 sample move no stored experience between devices (no collective of storage size). The same
 with `sample(..., row_blocks=8)` for the clustered buffers, the `Mixer` and `RateLimited`,
 whose block sample then moves nothing but scalars and stays split over the devices, as the
-`Queue`'s sample does. An epoch (`epoch` and `epoch_batch`) gives the one-device batches.
+`Queue`'s sample does. An epoch (`epoch` and `epoch_batch`) gives the one-device batches, and
+so do `update` and `with_storage`.
 Each on a mesh whose axis is `Auto` and on one whose axis is `Explicit` (JAX's default), where
 the step moves no more than on `Auto`.
 
@@ -78,6 +79,15 @@ SCRIPT = textwrap.dedent(
                        for a, b in zip(shards(split), stored, strict=True))
             assert kept, (name, [l.sharding.spec for l in jax.tree.leaves(split)],
                           [l.shape for l in jax.tree.leaves(split)])
+        # `update` and `with_storage` (what `Archive.load` calls), eagerly and under jit.
+        if hasattr(split, "update"):
+            double = lambda step: {**step, "reward": step["reward"] * 2}
+            for fn in (lambda x: x.update(double), lambda x: x.with_storage(x.storage)):
+                for run_ in (fn, eqx.filter_jit(fn)):
+                    for x, y in zip(jax.tree.leaves(run_(one)), jax.tree.leaves(run_(split)),
+                                    strict=True):
+                        np.testing.assert_array_equal(np.asarray(x), np.asarray(y),
+                                                      err_msg=name)
         shard = max(l.size // n for l in shards(split))  # one device's part of a stored leaf
         b = jax.device_put(batch(9), NamedSharding(mesh, P("envs")))
         key = jax.random.key(0)

@@ -310,6 +310,7 @@ class AbstractBuffer(AbstractRingHolder, AbstractRowBlocked, AbstractReplayBuffe
             experience = self.view.padded(experience, mask)
         return experience, mask
 
+    @on_auto_axes()
     def update(self: _Buffer, fn: "UpdateFn") -> _Buffer:
         """Return the buffer with `fn` applied to every stored step (reward relabelling,
         recomputing a field, ...). Slots not written yet are left untouched.
@@ -340,6 +341,7 @@ class AbstractBuffer(AbstractRingHolder, AbstractRowBlocked, AbstractReplayBuffe
         storage = update_storage(self.storage, fn, type(self).__name__)
         return self._with(storage, self.rule.updated(storage, self.window))
 
+    @on_auto_axes()
     def with_storage(
         self: _Buffer, storage: RingStorage, *, priority: float | None = None
     ) -> _Buffer:

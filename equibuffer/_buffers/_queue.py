@@ -105,6 +105,7 @@ class Queue(AbstractRingHolder):
         self.add_sequence_length = add_sequence_length
         self.unread = jnp.array(0, jnp.int32)
 
+    @on_auto_axes()
     def with_storage(self, storage: RingStorage, *, priority: float | None = None) -> "Queue":
         """Return the queue holding `storage` (its steps and counters), as `Archive.restore`
         and `Archive.load` fill it. The ring does not say which steps a learner had read,
@@ -359,6 +360,7 @@ class Queue(AbstractRingHolder):
         queue = eqx.tree_at(lambda q: q.unread, self, jnp.where(short, unread, unread - s))
         return queue, Sample(experience=experience, indices=indices, steps=steps)
 
+    @on_auto_axes()
     def update(self, fn: UpdateFn) -> "Queue":
         """Return the queue with `fn` applied to every stored step, as
         [`equibuffer.AbstractBuffer.update`][] does (unwritten slots untouched).

@@ -1,8 +1,11 @@
 """Timing shared by the benchmark scripts: best-of-N wall time of a function whose result is
 blocked on, after warm-up (compilation) calls, the alternating timing of two functions,
-forcing a sampled batch into memory, and a state held across jitted calls (donated).
-Benchmarks report ratios, never assert speed."""
+forcing a sampled batch into memory, a state held across jitted calls (donated), and a
+measuring script run in a process of its own. Benchmarks report ratios, never assert speed."""
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -106,3 +109,21 @@ def table(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
     line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths, strict=True))  # noqa: E731
     return "\n".join([line(keys), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def worker_json(
+    script: str, args: list[str], env: dict[str, str], timeout: float, what: str
+) -> Any:
+    """Run the Python `script` with `args` in a fresh process (its own devices and memory,
+    from `env`) and return the JSON of the last line it prints; its failure raises, naming
+    `what` ran, with the end of its standard error."""
+    out = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if out.returncode:
+        raise RuntimeError(f"{what} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -23,13 +23,11 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
 
-from ._timing import fmt_time, table
+from ._timing import fmt_time, table, worker_json
 
 
 WORKER = r"""
@@ -180,16 +178,8 @@ print(json.dumps(out))
 
 def _run(phase: str, directory: str, gb: float, *extra: Any) -> dict[str, Any]:
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-    out = subprocess.run(
-        [sys.executable, "-c", WORKER, phase, directory, str(gb), *map(str, extra)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=3600,
-    )
-    if out.returncode:
-        raise RuntimeError(f"the {phase} phase failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    argv = [phase, directory, str(gb), *map(str, extra)]
+    return worker_json(WORKER, argv, env, 3600, f"the {phase} phase")
 
 
 def main() -> None:

@@ -28,11 +28,9 @@ the ratio of the two is printed after.
 import argparse
 import json
 import os
-import subprocess
-import sys
 from typing import Any
 
-from ._timing import fmt_time, table
+from ._timing import fmt_time, table, worker_json
 
 
 WORKER = r"""
@@ -148,16 +146,8 @@ def run(n: int, axis: str, args: argparse.Namespace) -> dict[str, Any]:
             env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
         ).strip()
     sizes = (n, args.rows, args.length, args.batch, args.steps, args.repeat)
-    out = subprocess.run(
-        [sys.executable, "-c", WORKER, *map(str, sizes), axis],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    if out.returncode:
-        raise RuntimeError(f"the worker on {n} devices failed:\n{out.stderr[-3000:]}")
-    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    argv = [*map(str, sizes), axis]
+    figures = worker_json(WORKER, argv, env, 1800, f"the worker on {n} devices")
     figures["platform"] = "accelerator" if len(accelerators) >= n else "cpu (emulated)"
     return figures
 

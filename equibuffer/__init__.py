@@ -52,6 +52,12 @@ from ._cluster import (
 )
 from ._errors import check as check, filter_jit as filter_jit
 from ._mixer import MixedSample as MixedSample, Mixer as Mixer
+from ._offline import (
+    from_d4rl as from_d4rl,
+    from_minari as from_minari,
+    from_vault as from_vault,
+    SourceError as SourceError,
+)
 from ._protocol import (
     AbstractPrioritisedSource as AbstractPrioritisedSource,
     AbstractReplayBuffer as AbstractReplayBuffer,

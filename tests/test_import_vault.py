@@ -21,7 +21,7 @@ from flashbax.vault import Vault
 
 import equibuffer as eb
 from equibuffer._offline._source import SourceError
-from equibuffer._offline._vault import from_vault, VaultSource
+from equibuffer._offline._vault import VaultSource
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -138,7 +138,7 @@ def nested(tmp_path_factory):
 def test_archive_equals_the_vault_bit_for_bit(nested, tmp_path):
     rel_dir, index, want = nested
     assert index == 35
-    archive = from_vault(rel_dir / "nested" / "seed0", tmp_path / "a.zarr", progress=False)
+    archive = eb.from_vault(rel_dir / "nested" / "seed0", tmp_path / "a.zarr", progress=False)
     assert len(archive) == index and archive.rows == ROWS and archive.read_only
     steps = archive.read()
     assert_bit_equal(without_end(steps), want)
@@ -169,7 +169,9 @@ def test_many_small_blocks(tmp_path):
     index = write_vault(tmp_path, "frames", "u", example, [30, 30, 20], rows=2)
     source = VaultSource(tmp_path / "frames")
     assert int((1 << 20) * 0.25) // source.step_bytes() < index // 4  # at least 4 blocks
-    archive = from_vault(tmp_path / "frames", tmp_path / "a.zarr", memory=1 << 20, progress=False)
+    archive = eb.from_vault(
+        tmp_path / "frames", tmp_path / "a.zarr", memory=1 << 20, progress=False
+    )
     steps, want = archive.read(), vault_experience(tmp_path, "frames", "u")
     assert_bit_equal(without_end(steps), want)
     assert np.array_equal(steps["episode_end"], want["done"])
@@ -177,7 +179,7 @@ def test_many_small_blocks(tmp_path):
 
 def test_metadata_and_identity(nested, tmp_path):
     rel_dir, index, _ = nested
-    archive = from_vault(rel_dir / "nested", tmp_path / "a.zarr", progress=False)
+    archive = eb.from_vault(rel_dir / "nested", tmp_path / "a.zarr", progress=False)
     meta = archive.metadata
     assert meta["format"] == "flashbax-vault"
     assert (meta["vault_name"], meta["vault_uid"]) == ("nested", "seed0")
@@ -198,7 +200,7 @@ def test_a_flat_buffer_vault(tmp_path):
     """A vault of `fbx.make_flat_buffer`'s state (a trajectory buffer underneath)."""
     example = {"obs": jnp.zeros(2, jnp.float32), "terminated": jnp.bool_(False)}
     index = write_vault(tmp_path, "flat", "u", example, [4, 6, 5], rows=2, flat=True)
-    archive = from_vault(tmp_path / "flat", tmp_path / "a.zarr", progress=False)
+    archive = eb.from_vault(tmp_path / "flat", tmp_path / "a.zarr", progress=False)
     want = vault_experience(tmp_path, "flat", "u")
     steps = archive.read()
     assert len(archive) == index == 15 and archive.rows == 2
@@ -222,33 +224,35 @@ def test_episode_end_choices(tmp_path):
     assert term.any() and trunc.any() and not np.array_equal(term, trunc)
     vault = tmp_path / "marl"
 
-    auto = from_vault(vault, tmp_path / "auto.zarr", progress=False)
+    auto = eb.from_vault(vault, tmp_path / "auto.zarr", progress=False)
     assert np.array_equal(auto.read()["episode_end"], term.any(-1) | trunc.any(-1))
     assert auto.metadata["episode_end"] == ["terminals", "truncations"]
 
-    named = from_vault(vault, tmp_path / "named.zarr", episode_end="truncations", progress=False)
+    named = eb.from_vault(vault, tmp_path / "named.zarr", episode_end="truncations", progress=False)
     assert np.array_equal(named.read()["episode_end"], trunc.any(-1))
 
     def first_agent_done(steps):
         return steps["terminals"][..., 0] > 0
 
-    computed = from_vault(vault, tmp_path / "fn.zarr", episode_end=first_agent_done, progress=False)
+    computed = eb.from_vault(
+        vault, tmp_path / "fn.zarr", episode_end=first_agent_done, progress=False
+    )
     assert np.array_equal(computed.read()["episode_end"], term[..., 0])
     assert computed.metadata["episode_end"].endswith("first_agent_done")
 
-    none = from_vault(vault, tmp_path / "none.zarr", episode_end=None, progress=False)
+    none = eb.from_vault(vault, tmp_path / "none.zarr", episode_end=None, progress=False)
     assert_bit_equal(none.read(), want)
 
     plain = {"obs": jnp.zeros(2, jnp.float32), "action": jnp.int32(0)}
     write_vault(tmp_path, "plain", "u", plain, [3])
-    archive = from_vault(tmp_path / "plain", tmp_path / "plain.zarr", progress=False)
+    archive = eb.from_vault(tmp_path / "plain", tmp_path / "plain.zarr", progress=False)
     assert set(archive.read()) == {"obs", "action"}  # no flags: no episode_end
     assert archive.metadata["episode_end"] is None
 
 
 def test_loader_windows_never_cross_an_episode_end(nested, tmp_path):
     rel_dir, index, want = nested
-    archive = from_vault(rel_dir / "nested", tmp_path / "a.zarr", progress=False)
+    archive = eb.from_vault(rel_dir / "nested", tmp_path / "a.zarr", progress=False)
     done = want["done"]
     seen = 0
     with eb.ArchiveLoader(
@@ -281,14 +285,14 @@ def test_vault_name_dir_picks_its_one_uid_or_vault_uid(tmp_path):
     write_vault(tmp_path, "two", "a", example, [3], seed=1)
     write_vault(tmp_path, "two", "b", example, [5], seed=2)
     with pytest.raises(SourceError, match=r"several vaults \(a, b\).*vault_uid="):
-        from_vault(tmp_path / "two", tmp_path / "x.zarr", progress=False)
+        eb.from_vault(tmp_path / "two", tmp_path / "x.zarr", progress=False)
     assert not (tmp_path / "x.zarr").exists()
-    archive = from_vault(tmp_path / "two", tmp_path / "b.zarr", vault_uid="b", progress=False)
+    archive = eb.from_vault(tmp_path / "two", tmp_path / "b.zarr", vault_uid="b", progress=False)
     assert len(archive) == 5 and archive.metadata["vault_uid"] == "b"
     with pytest.raises(SourceError, match=r"vault_uid='c'.*the vaults there: a, b"):
-        from_vault(tmp_path / "two", tmp_path / "c.zarr", vault_uid="c", progress=False)
+        eb.from_vault(tmp_path / "two", tmp_path / "c.zarr", vault_uid="c", progress=False)
     write_vault(tmp_path, "one", "only", example, [4])
-    archive = from_vault(tmp_path / "one", tmp_path / "one.zarr", progress=False)
+    archive = eb.from_vault(tmp_path / "one", tmp_path / "one.zarr", progress=False)
     assert len(archive) == 4 and archive.metadata["vault_uid"] == "only"
 
 
@@ -297,18 +301,18 @@ def test_vault_name_dir_picks_its_one_uid_or_vault_uid(tmp_path):
 
 def test_a_missing_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="no directory .*nowhere"):
-        from_vault(tmp_path / "nowhere", tmp_path / "a.zarr")
+        eb.from_vault(tmp_path / "nowhere", tmp_path / "a.zarr")
     assert not (tmp_path / "a.zarr").exists()
 
 
 def test_not_a_vault(tmp_path):
     (tmp_path / "empty" / "sub").mkdir(parents=True)
     with pytest.raises(SourceError, match=r"empty is not a Flashbax vault.*metadata\.json"):
-        from_vault(tmp_path / "empty", tmp_path / "a.zarr")
+        eb.from_vault(tmp_path / "empty", tmp_path / "a.zarr")
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "metadata.json").write_text('{"name": "not a vault"}')
     with pytest.raises(SourceError, match="not a Flashbax vault's metadata"):
-        from_vault(tmp_path / "other", tmp_path / "a.zarr")
+        eb.from_vault(tmp_path / "other", tmp_path / "a.zarr")
     assert not (tmp_path / "a.zarr").exists()
 
 
@@ -317,9 +321,9 @@ def test_a_named_episode_end_that_is_not_there(nested, tmp_path):
     with pytest.raises(
         SourceError, match=r"episode_end='terminals'.*top-level leaves: action, done, reward"
     ):
-        from_vault(rel_dir / "nested", tmp_path / "a.zarr", episode_end="terminals")
+        eb.from_vault(rel_dir / "nested", tmp_path / "a.zarr", episode_end="terminals")
     with pytest.raises(SourceError, match=r"episode_end='obs'.*no boolean or number"):
-        from_vault(rel_dir / "nested", tmp_path / "a.zarr", episode_end="obs")
+        eb.from_vault(rel_dir / "nested", tmp_path / "a.zarr", episode_end="obs")
     assert not (tmp_path / "a.zarr").exists()
 
 
@@ -327,9 +331,11 @@ def test_an_episode_end_leaf_already_there(tmp_path):
     example = {"x": jnp.zeros(2, jnp.float32), "episode_end": jnp.bool_(False)}
     write_vault(tmp_path, "ends", "u", example, [3])
     with pytest.raises(SourceError, match="has an `episode_end` leaf already.*episode_end=None"):
-        from_vault(tmp_path / "ends", tmp_path / "a.zarr")
+        eb.from_vault(tmp_path / "ends", tmp_path / "a.zarr")
     assert not (tmp_path / "a.zarr").exists()
-    archive = from_vault(tmp_path / "ends", tmp_path / "a.zarr", episode_end=None, progress=False)
+    archive = eb.from_vault(
+        tmp_path / "ends", tmp_path / "a.zarr", episode_end=None, progress=False
+    )
     assert_bit_equal(archive.read(), vault_experience(tmp_path, "ends", "u"))
 
 
@@ -352,13 +358,13 @@ def test_an_experience_that_is_not_a_dict(tmp_path):
         )
         vault.write(buffer.add(state, jnp.ones((2, 4, 3))))
     with pytest.raises(SourceError, match="not a dict of leaves"):
-        from_vault(tmp_path / "bare", tmp_path / "a.zarr")
+        eb.from_vault(tmp_path / "bare", tmp_path / "a.zarr")
 
 
 def test_a_bad_episode_end_function(nested, tmp_path):
     rel_dir, _, _ = nested
     with pytest.raises(SourceError, match=r"returned float32\[3, 1\].*expected bool\[3, 1\]"):
-        from_vault(rel_dir / "nested", tmp_path / "a.zarr", episode_end=lambda s: s["reward"])
+        eb.from_vault(rel_dir / "nested", tmp_path / "a.zarr", episode_end=lambda s: s["reward"])
     assert not (tmp_path / "a.zarr").exists()
 
 
@@ -378,9 +384,9 @@ def test_like_a_buffer_that_differs(nested, tmp_path):
         sequence_length=2,
     )
     with pytest.raises(SourceError, match=r"do not match `like`.*action"):
-        from_vault(rel_dir / "nested", tmp_path / "a.zarr", like=other)
+        eb.from_vault(rel_dir / "nested", tmp_path / "a.zarr", like=other)
     assert not (tmp_path / "a.zarr").exists()
-    archive = from_vault(rel_dir / "nested", tmp_path / "a.zarr", like=same, progress=False)
+    archive = eb.from_vault(rel_dir / "nested", tmp_path / "a.zarr", like=same, progress=False)
     assert len(archive) == 35
 
 
@@ -391,8 +397,8 @@ def test_run_again_adds_nothing_and_a_grown_vault_is_another_import(tmp_path):
     example = {"x": jnp.zeros(2, jnp.float32), "done": jnp.bool_(False)}
     write_vault(tmp_path, "grows", "u", example, [4, 4])
     path = tmp_path / "a.zarr"
-    first = from_vault(tmp_path / "grows", path, progress=False).read()
-    again = from_vault(tmp_path / "grows", path, progress=False)
+    first = eb.from_vault(tmp_path / "grows", path, progress=False).read()
+    again = eb.from_vault(tmp_path / "grows", path, progress=False)
     assert len(again) == 8
     assert_bit_equal(again.read(), first)
     # The vault written on: its steps are another import's (the archive would mix them).
@@ -409,7 +415,7 @@ def test_run_again_adds_nothing_and_a_grown_vault_is_another_import(tmp_path):
         state = buffer.init(example)
         vault.write(buffer.add(state, random_steps(np.random.default_rng(5), example, ROWS, 3)))
     with pytest.raises(SourceError, match=r"'steps': 8.*not of .*'steps': 11.*new path"):
-        from_vault(tmp_path / "grows", path, progress=False)
+        eb.from_vault(tmp_path / "grows", path, progress=False)
 
 
 _KILLED = """
@@ -464,7 +470,7 @@ def test_an_import_killed_part_way_carries_on(tmp_path):
     assert child.returncode == -signal.SIGKILL
     done = len(eb.Archive(path, mode="r", progress=False))
     assert 0 < done < index  # killed in the middle
-    archive = from_vault(tmp_path / "big", path, memory=1 << 20, progress=False)
+    archive = eb.from_vault(tmp_path / "big", path, memory=1 << 20, progress=False)
     assert len(archive) == archive.source_steps == index  # nothing lost, nothing doubled
     steps = archive.read()
     assert_bit_equal(without_end(steps), want)

@@ -26,6 +26,7 @@ FLOORS: list[set[str]] = [
     {"views"},
     {"_buffers"},
     {"_cluster", "_mixer", "_ratelimit", "_sharding", "_archive"},
+    {"_offline"},
     {"__init__"},
     {"testing"},
 ]

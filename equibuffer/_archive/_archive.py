@@ -5,6 +5,8 @@ assembles the pieces, one per concern: the format (`_format`), the store and its
 counters and the layout; its write methods are `_archive_writes.ArchiveWrites`, its read
 and sampling methods `_archive_reads.ArchiveReads`, both inherited."""
 
+import copy
+import json
 import os
 from typing import Any, Literal
 
@@ -22,11 +24,26 @@ from ._format import (
     OnLost,
     schema_diff,
     schema_of,
+    StepSchema,
     storage_of,
 )
 from ._reader import Progress, Reader
 from ._store import clean_partial, location_of, Objects, open_store, read_json, WriterLock
 from ._writer import Writer
+
+
+def json_checked(where: str, metadata: Any) -> dict[str, Any]:
+    """`metadata` as JSON keeps it (a dict of JSON values), or an error naming the value that
+    is not."""
+    if not isinstance(metadata, dict):
+        raise TypeError(f"{where}: `metadata` must be a dict, got {type(metadata).__name__}.")
+    try:
+        return json.loads(json.dumps(metadata, allow_nan=False))
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"{where}: `metadata` must hold JSON values only (str, int, float, bool, None, "
+            f"lists and dicts with str keys): {error}."
+        ) from None
 
 
 class Archive(ArchiveWrites, ArchiveReads):
@@ -86,6 +103,10 @@ class Archive(ArchiveWrites, ArchiveReads):
         `client_kwargs={"region_name": ...}`): either reaches the same store whether obstore
         is installed or not, and a setting the backend in use has no spelling for is an
         error that says what to do. Other URLs take their backend's own options.
+    - `metadata`: a JSON-serialisable dict kept in the archive beside its data (the data
+        set's name, the environment's spec, versions: what the imports `eb.from_minari`,
+        `eb.from_d4rl` and `eb.from_vault` record); read back as `archive.metadata`. Only
+        used when creating.
 
     Safety: the visible length advances only after the data it covers is written (a writer
     killed at any moment leaves the last committed state readable and writable); one writer
@@ -152,7 +173,7 @@ class Archive(ArchiveWrites, ArchiveReads):
     def __init__(
         self,
         store: str | os.PathLike | Store,
-        like: BufferLike | None = None,
+        like: BufferLike | StepSchema | None = None,
         *,
         mode: Literal["a", "r"] = "a",
         compression: Compression = "zstd",
@@ -163,6 +184,7 @@ class Archive(ArchiveWrites, ArchiveReads):
         break_lock: bool = False,
         fsync: bool = False,
         storage_options: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
     ):
         where = "Archive()"
         if mode not in ("a", "r"):
@@ -174,7 +196,10 @@ class Archive(ArchiveWrites, ArchiveReads):
         self._store = open_store(store, storage_options, read_only)
         self._location = location_of(store)
         self._objects = objects = Objects(self._store, bool(fsync))
-        storage = None if like is None else storage_of(like, where)
+        if like is None or isinstance(like, StepSchema):
+            storage = like
+        else:
+            storage = storage_of(like, where)
         record = read_json(self._store, "zarr.json")
         meta = None if record is None else record.get("attributes", {}).get(ATTR)
         if meta is None and (read_only or storage is None):
@@ -189,7 +214,9 @@ class Archive(ArchiveWrites, ArchiveReads):
         try:
             if meta is None:
                 assert storage is not None
-                meta = create(self._store, storage, compression, chunk_steps, shard_steps)
+                if metadata is not None:
+                    metadata = json_checked(where, metadata)
+                meta = create(self._store, storage, compression, chunk_steps, shard_steps, metadata)
             elif lock is not None:
                 clean_partial(self._store)
             layout = Layout.from_meta(meta, self._location)
@@ -489,6 +516,24 @@ class Archive(ArchiveWrites, ArchiveReads):
     @progress.setter
     def progress(self, show: bool) -> None:
         self._reader.progress.show = bool(show)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The metadata the archive was created with (`metadata=`; an empty dict if none):
+        for an imported data set, its name, environment spec and versions.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, zarr
+
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=4)
+            store = zarr.storage.MemoryStore()
+            archive = eb.Archive(store, buffer, metadata={"env": "Pendulum-v1"})
+            assert archive.metadata == {"env": "Pendulum-v1"}
+            ```
+        """
+        return copy.deepcopy(self._reader.meta.get("metadata", {}))
 
     def nbytes(self) -> tuple[int, int]:
         """`(raw, stored)`: the bytes of the committed data and the bytes the store holds.

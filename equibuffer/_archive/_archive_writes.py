@@ -5,6 +5,8 @@ module; the state they use (`_writer`) is set by `Archive.__init__`."""
 
 import concurrent.futures
 
+from jaxtyping import ArrayLike, PyTree
+
 from ._format import BufferLike, OnLost
 from ._writer import Writer
 
@@ -91,6 +93,31 @@ class ArchiveWrites:
             ```
         """
         return self._writing("Archive.write_async()").write_async(buffer, on_lost)
+
+    def append(self, steps: PyTree[ArrayLike]) -> int:
+        """Append steps given as arrays, without a buffer: `steps` holds each leaf as
+        `(rows, k, *leaf)` (NumPy or JAX), in the archive's tree structure (or, for an archive
+        opened without `like`, a dict by leaf name, as `read` returns). The `k` steps are
+        committed as the source's next `k` (`source_steps` grows by `k`), as `write` commits
+        a buffer's new steps: what an import from another format writes.
+
+        **Returns:**
+
+        `k`. A leaf missing, extra, or of another shape or dtype raises a `ValueError` that
+        names it, and nothing is written.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp, numpy as np, zarr
+
+            buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=2, capacity=4)
+            with eb.Archive(zarr.storage.MemoryStore(), buffer) as archive:
+                assert archive.append({"x": np.ones((2, 3), np.float32)}) == 3
+                assert len(archive) == archive.source_steps == 3
+            ```
+        """
+        return self._writing("Archive.append()").append_steps(steps, "Archive.append()")
 
     def flush(self) -> None:
         """Wait for every write started by `write_async`; raise the error of one that

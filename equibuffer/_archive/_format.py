@@ -12,7 +12,7 @@ import dataclasses
 import json
 import re
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol, runtime_checkable, TypeAlias
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable, TypeAlias
 
 import jax
 import numpy as np
@@ -156,7 +156,16 @@ def _name_of(path: Sequence[Any]) -> str:
     return "x" + name if name.startswith(("_", ".")) else name
 
 
-def schema_of(storage: RingStorage) -> tuple[list[Leaf], Any]:
+class StepSchema(NamedTuple):
+    """The schema of steps given without a buffer (what an import creates an archive from):
+    `data` a pytree of arrays or `jax.ShapeDtypeStruct`s shaped `(rows, 1, *leaf)` of any
+    NumPy dtype (a ring's would be JAX's, where float64 is float32 unless x64 is on)."""
+
+    data: Any
+    rows: int
+
+
+def schema_of(storage: RingStorage | StepSchema) -> tuple[list[Leaf], Any]:
     """The leaves of a ring (one zarr array name each, unique) and its tree structure."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(storage.data)
     leaves, used = [], set()
@@ -284,10 +293,11 @@ class Layout:
 
 def create(
     store: Store,
-    storage: RingStorage,
+    storage: RingStorage | StepSchema,
     compression: str,
     chunk_steps: int | None,
     shard_steps: int | None,
+    metadata: dict | None = None,
 ) -> dict:
     """Create the archive's arrays for the schema of `storage`, then the root group's record
     (written last: it marks the archive complete); returns the record."""
@@ -321,6 +331,8 @@ def create(
         "leaves": [leaf.as_json() for leaf in leaves],
         "committed": Commit().as_json(),
     }
+    if metadata is not None:
+        meta["metadata"] = metadata
     group.update_attributes({ATTR: meta})
     return meta
 

@@ -237,7 +237,9 @@ class ArchiveLoader:
             else check_positive_int(where, "block_steps", block_steps)
         )
         self.epochs = None if epochs is None else check_positive_int(where, "epochs", epochs)
-        zeros = [np.zeros(leaf.shape, np.dtype(leaf.dtype)) for leaf in layout.leaves]
+        # What the device holds: 64-bit leaves (an imported data set's float64 rewards, int64
+        # actions) arrive in JAX's dtypes, 32-bit unless x64 is on.
+        zeros = [np.zeros(leaf.shape, jax_dtype(leaf.dtype)) for leaf in layout.leaves]
         example = reader.unflatten(zeros)
         self._view = self._make_view(
             where, example, view, sequence_length, n_step, discount, reward, terminated,
@@ -640,6 +642,11 @@ class ArchiveLoader:
 
 
 @eqx.filter_jit
+def jax_dtype(dtype: Any) -> np.dtype:
+    """The dtype JAX gives an array of `dtype` (float64 is float32 unless x64 is on)."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(dtype)))
+
+
 def _apply(view: AbstractView, template: RingStorage, windows: Any) -> Any:
     """The view of `windows` (leaves `(batch, window, *leaf)`), by the buffers' own code: a
     ring of `batch` rows of `window` steps holding them, each row one window."""

@@ -252,6 +252,55 @@ class Writer:
             host.append(block.view(np.dtype(leaf.stored)))
         return Plan(host, c.length, keep, c.after(total, keep))
 
+    def append_steps(self, steps: Any, where: str) -> int:
+        """Append `steps` (the archive's tree, or a dict by leaf name, of arrays `(rows, k,
+        *leaf)`) after the committed length as `k` more source steps, and commit them."""
+        self.flush()
+        self.lock.check(where, self.reader.location)
+        layout = self.reader.layout
+        names = [leaf.name for leaf in layout.leaves]
+        if isinstance(steps, dict) and set(steps) == set(names) and self.reader.treedef is None:
+            flat = [steps[name] for name in names]
+            paths = names
+        else:
+            found, _ = jax.tree_util.tree_flatten_with_path(steps)
+            by_path = {jax.tree_util.keystr(p): x for p, x in found}
+            paths = [leaf.path for leaf in layout.leaves]
+            missing = [p for p in paths if p not in by_path]
+            extra = [p for p in by_path if p not in set(paths)]
+            if missing or extra:
+                said = []
+                if missing:
+                    said.append("leaves of the archive not given: " + ", ".join(missing))
+                if extra:
+                    said.append("leaves given that the archive does not hold: " + ", ".join(extra))
+                raise ValueError(f"{where}: {'; '.join(said)}.")
+            flat = [by_path[p] for p in paths]
+        host, k = [], None
+        for leaf, path, x in zip(layout.leaves, paths, flat, strict=True):
+            x = np.asarray(x)
+            want = (layout.rows, k if k is not None else "k", *leaf.shape)
+            if (
+                x.ndim != 2 + len(leaf.shape)
+                or x.shape[0] != layout.rows
+                or (x.shape[2:] != leaf.shape or (k is not None and x.shape[1] != k))
+            ):
+                raise ValueError(
+                    f"{where}: leaf {path} has shape {x.shape}; expected (rows, steps, *leaf) "
+                    f"= {tuple(want)}."
+                )
+            if x.dtype != np.dtype(leaf.dtype):
+                raise ValueError(
+                    f"{where}: leaf {path} has dtype {x.dtype}; the archive holds {leaf.dtype}."
+                )
+            k = x.shape[1]
+            host.append(np.ascontiguousarray(x).view(np.dtype(leaf.stored)))
+        if not k:
+            return 0
+        c = self.reader.commit
+        plan = Plan(host, c.length, k, c.after(c.source_steps + k, k))
+        return self.apply(plan)
+
     # ------------------------------------------------------------------------- applying
 
     def apply(self, plan: Plan) -> int:

@@ -1,0 +1,183 @@
+"""What every import reads from: a `Source` of steps in the archive's layout, and the import
+itself (`import_source`), which streams a source into an `Archive` in blocks of bounded
+size, resumably. One module a format beside it (`_minari`, `_d4rl`, `_vault`) says how its
+files map to a `Source`.
+
+The layout of an imported data set (decided in issue 39, see docs/offline_data.md): the
+episodes go back to back along the time axis of the archive's rows (one row for Minari and
+D4RL, the Vault's own rows for a Vault), never padded. Each step is one observation and what
+followed it: `observation`, `action`, `reward`, `terminated`, `truncated` (the action taken
+there, its reward, and whether the episode terminated or was truncated on it), plus the
+boolean `episode_end`, true on the last step of each episode. An episode of `T` actions whose
+`T + 1` observations the source holds (Minari; D4RL with `next_observations`) is `T + 1`
+steps: its last step holds the final observation with a zero action and reward and false
+flags, so a transition from every one of its `T` steps, the last one included, pairs it with
+the true next observation, and no window reaches into the next episode.
+"""
+
+import abc
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any, cast
+
+import jax
+import numpy as np
+from jaxtyping import PyTree
+
+from .._archive._archive import Archive
+from .._archive._format import schema_diff, schema_of, StepSchema, storage_of
+from .._archive._reader import progress_bar
+from .._checks import check_positive_int
+
+
+MIN_MEMORY = 1 << 20  # the smallest staging bound accepted (bytes)
+DEFAULT_MEMORY = 1 << 30
+# A staged block is held about twice while it is written (as read, then as the chunks
+# encoded from it), so a block takes this fraction of the bound.
+_BLOCK_SHARE = 0.25
+
+
+class SourceError(ValueError):
+    """A data set that cannot be imported as asked (a missing field, a space that does not
+    match `like=`, a file that is not of the format): raised before anything is written.
+
+    !!! example
+
+        ```python
+        import equibuffer as eb, tempfile
+
+        try:
+            eb.from_d4rl(tempfile.mkdtemp() + "/missing.hdf5", tempfile.mkdtemp() + "/a.zarr")
+        except FileNotFoundError as error:
+            assert "missing.hdf5" in str(error)
+        assert issubclass(eb.SourceError, ValueError)
+        ```
+    """
+
+
+class Source(abc.ABC):
+    """Steps of a data set in the archive's layout, read in blocks of time.
+
+    A subclass sets `where` (the import's name, for messages), `example` (one step: a pytree
+    of NumPy arrays of the leaves' shapes and dtypes), `rows`, `steps` (time steps per row in
+    all), `metadata` (JSON: what the archive keeps beside the data) and `identity` (JSON:
+    what must match for a second run to carry on an import), and implements `read`."""
+
+    where: str
+    example: PyTree[np.ndarray]
+    rows: int
+    steps: int
+    metadata: dict[str, Any]
+    identity: dict[str, Any]
+
+    @abc.abstractmethod
+    def read(self, start: int, stop: int) -> PyTree[np.ndarray]:
+        """Time steps `[start, stop)` of every row: the example's tree of `(rows, stop -
+        start, *leaf)` arrays."""
+
+    def close(self) -> None:  # noqa: B027 (a source that holds no file needs none)
+        """Release the files the source holds open."""
+
+    def step_bytes(self) -> int:
+        """Bytes of one time step of every row."""
+        return self.rows * sum(x.nbytes for x in jax.tree.leaves(self.example))
+
+
+@dataclasses.dataclass
+class ImportOptions:
+    """What every import takes beside its source (see `from_minari`)."""
+
+    memory: int = DEFAULT_MEMORY
+    like: Any = None
+    progress: bool = True
+    compression: Any = "zstd"
+    chunk_steps: int | None = None
+    shard_steps: int | None = None
+    storage_options: dict[str, Any] | None = None
+
+
+def check_like(where: str, example: PyTree[np.ndarray], like: Any) -> None:
+    """`like` (a buffer or `RingStorage`) holds steps of exactly the source's leaves, shapes
+    and dtypes; else a `SourceError` naming each field that differs and what it expected."""
+    storage = storage_of(like, where)
+    want, _ = schema_of(StepSchema(_staged(example, 1), 1))
+    got, _ = schema_of(storage)
+    diff = schema_diff(want, 1, got, 1)
+    if diff:
+        said = "; ".join(d.replace("the archive", "the data set") for d in diff)
+        raise SourceError(f"{where}: the data set's steps do not match `like`: {said}.")
+
+
+def _staged(example: PyTree[np.ndarray], rows: int) -> PyTree[jax.ShapeDtypeStruct]:
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((rows, 1, *np.shape(x)), np.asarray(x).dtype), example
+    )
+
+
+def block_steps(where: str, source: Source, memory: int) -> int:
+    """Time steps per staged block: `_BLOCK_SHARE` of `memory`, at least one step."""
+    memory = check_positive_int(where, "memory", memory)
+    step = source.step_bytes()
+    if memory < max(MIN_MEMORY, math.ceil(step / _BLOCK_SHARE)):
+        need = max(MIN_MEMORY, math.ceil(step / _BLOCK_SHARE))
+        raise ValueError(
+            f"{where}: memory={memory} bytes is too small: a step of every row is {step} "
+            f"bytes, and the import needs at least {need} bytes to stage one."
+        )
+    return max(1, int(memory * _BLOCK_SHARE) // step)
+
+
+def _blocks(start: int, stop: int, size: int) -> Iterator[tuple[int, int]]:
+    for a in range(start, stop, size):
+        yield a, min(stop, a + size)
+
+
+def import_source(source: Source, store: Any, options: ImportOptions) -> Archive:
+    """Stream `source` into the archive at `store` (created, or carried on where an earlier
+    run of the same import stopped), in blocks of bounded size; returns the archive opened
+    read-only."""
+    where = source.where
+    if options.like is not None:
+        check_like(where, source.example, options.like)
+    size = block_steps(where, source, options.memory)
+    meta = {"source": source.identity, **source.metadata}
+    schema = StepSchema(_staged(source.example, source.rows), source.rows)
+    archive = Archive(
+        store,
+        cast(Any, schema),
+        compression=options.compression,
+        chunk_steps=options.chunk_steps,
+        shard_steps=options.shard_steps,
+        progress=False,
+        storage_options=options.storage_options,
+        metadata=meta,
+    )
+    with archive:
+        held = archive.metadata.get("source")
+        if held != source.identity:
+            raise SourceError(
+                f"{where}: the archive at {store} holds "
+                + ("no import" if held is None else f"an import of {held}")
+                + f", not of {source.identity}: give the import a new path (or remove it)."
+            )
+        done = len(archive)
+        with progress_bar()(
+            total=source.steps * source.rows,
+            initial=done * source.rows,
+            unit="step",
+            unit_scale=True,
+            desc=where,
+            disable=not options.progress,
+            leave=False,
+        ) as bar:
+            for a, b in _blocks(done, source.steps, size):
+                archive.append(source.read(a, b))
+                bar.update((b - a) * source.rows)
+    return Archive(
+        store,
+        cast(Any, schema),
+        mode="r",
+        progress=options.progress,
+        storage_options=options.storage_options,
+    )

@@ -1,0 +1,438 @@
+"""The imports of offline data sets into an Archive (`eb.from_minari`, `eb.from_d4rl`), on data
+sets built here with the real tools: Minari's `DataCollector` on Gymnasium environments and
+h5py for D4RL's layout. Each archive holds exactly the source's steps, bit for bit, with its
+episode ends; the loader's windows never cross them; errors come before any write; a killed
+import carries on with nothing lost or doubled."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import gymnasium as gym
+import h5py
+import jax
+import jax.numpy as jnp
+import minari
+import numpy as np
+import pytest
+
+import equibuffer as eb
+from equibuffer._offline._minari import space_example
+
+
+# ------------------------------------------------------------------------------ sources
+
+
+@pytest.fixture
+def datasets(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
+    return tmp_path
+
+
+def record(dataset_id: str, env: gym.Env, episodes: int, seed: int = 0) -> minari.MinariDataset:
+    """A Minari data set recorded with its own collector, random actions, seeded."""
+    env.action_space.seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # minari's note that eval_env defaults to env
+        collector = minari.DataCollector(env)
+        for k in range(episodes):
+            collector.reset(seed=seed + k)
+            done = False
+            while not done:
+                *_, terminated, truncated, _ = collector.step(env.action_space.sample())
+                done = terminated or truncated
+        dataset = collector.create_dataset(dataset_id, algorithm_name="random", author="tests")
+        close(collector)
+    return dataset
+
+
+def close(collector: minari.DataCollector) -> None:
+    """`DataCollector.close`, and its temporary directory's own cleanup (minari 0.5.4 removes
+    the directory but leaves the TemporaryDirectory to warn when collected)."""
+    collector.close()
+    with contextlib.suppress(FileNotFoundError):
+        collector._tmp_dir.cleanup()
+
+
+class DictWorld(gym.Env):
+    """Dict observations (a float image-like array, a Tuple of an int vector and a Discrete),
+    a Tuple action of a Box and a Discrete; episodes of 3 to 9 steps, some truncated."""
+
+    def __init__(self) -> None:
+        self.observation_space = gym.spaces.Dict(
+            {
+                "pos": gym.spaces.Box(-1.0, 1.0, (2, 3), np.float32),
+                "parts": gym.spaces.Tuple(
+                    (gym.spaces.MultiDiscrete([3, 4]), gym.spaces.Discrete(5))
+                ),
+                "seen": gym.spaces.MultiBinary(4),
+            }
+        )
+        self.action_space = gym.spaces.Tuple(
+            (gym.spaces.Box(-2.0, 2.0, (2,), np.float64), gym.spaces.Discrete(3))
+        )
+        self.t = 0
+        self.length = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        self.length = int(self.np_random.integers(3, 10))
+        self.observation_space.seed(int(self.np_random.integers(1 << 30)))
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        self.t += 1
+        done = self.t >= self.length
+        terminated = done and self.length % 2 == 0
+        return (
+            self.observation_space.sample(),
+            float(self.t),
+            terminated,
+            done and not terminated,
+            {},
+        )
+
+
+def episode_steps(episodes) -> dict:
+    """The layout the import promises, built from Minari's own episodes."""
+
+    def pad(x):
+        x = np.asarray(x)
+        return np.concatenate([x, np.zeros((1, *x.shape[1:]), x.dtype)])
+
+    out = []
+    for e in episodes:
+        t = len(e.rewards)
+        end = np.zeros(t + 1, bool)
+        end[-1] = True
+        out.append(
+            {
+                "observation": e.observations,
+                "action": jax.tree.map(pad, e.actions),
+                "reward": pad(e.rewards),
+                "terminated": pad(e.terminations),
+                "truncated": pad(e.truncations),
+                "episode_end": end,
+            }
+        )
+    return jax.tree.map(lambda *xs: np.concatenate(xs)[None], *out)
+
+
+def assert_identical(got, want):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+
+
+def d4rl_file(path, n=1000, seed=0, next_obs=True, obs_shape=(11,)):
+    """A D4RL-layout file: flat arrays of `n` steps, episodes ended by terminals or timeouts,
+    the last one unfinished."""
+    rng = np.random.default_rng(seed)
+    obs = rng.normal(size=(n + 1, *obs_shape)).astype(np.float32)
+    terminals = rng.random(n) < 0.02
+    timeouts = np.zeros(n, bool)
+    timeouts[np.arange(57, n, 97)] = True
+    timeouts &= ~terminals
+    timeouts[-1] = False
+    with h5py.File(path, "w") as f:
+        f["observations"] = obs[:-1]
+        if next_obs:
+            f["next_observations"] = obs[1:]
+        f["actions"] = rng.uniform(-1, 1, (n, 3)).astype(np.float32)
+        f["rewards"] = rng.normal(size=n).astype(np.float32)
+        f["terminals"] = terminals
+        f["timeouts"] = timeouts
+        f.attrs["env"] = "hopper-medium-v2"
+        f["metadata/algorithm"] = "SAC"
+        f["metadata/policy/nonlinearity"] = "relu"
+    return obs, terminals, timeouts
+
+
+# ------------------------------------------------------------------------------ Minari
+
+
+def test_minari_cartpole_bit_for_bit(datasets):
+    dataset = record("cartpole/random-v0", gym.make("CartPole-v1"), episodes=8)
+    archive = eb.from_minari("cartpole/random-v0", datasets / "cp.zarr", progress=False)
+    assert archive.read_only and archive.rows == 1
+    assert len(archive) == dataset.total_steps + dataset.total_episodes
+    assert_identical(archive.read(), episode_steps(dataset.iterate_episodes()))
+    meta = archive.metadata
+    assert meta["format"] == "minari" and meta["dataset_id"] == "cartpole/random-v0"
+    assert "CartPole-v1" in meta["env_spec"] and meta["episodes"] == 8
+    assert meta["minari"]["algorithm_name"] == "random"
+    # by path, and from the MinariDataset itself: the same steps
+    by_path = eb.from_minari(dataset.storage.data_path.parent, datasets / "p.zarr", progress=False)
+    by_object = eb.from_minari(dataset, datasets / "o.zarr", progress=False)
+    assert_identical(by_path.read(), archive.read())
+    assert_identical(by_object.read(), archive.read())
+
+
+def test_minari_nested_spaces_and_small_memory(datasets):
+    dataset = record("dict/world-v0", DictWorld(), episodes=40, seed=3)
+    big = eb.from_minari("dict/world-v0", datasets / "big.zarr", progress=False)
+    # memory of 1 MiB stages a quarter: 262144 bytes, i.e. blocks of a few thousand steps;
+    # chunk_steps=4 and many small appends (memory below) exercise episodes cut by blocks.
+    small = eb.from_minari(
+        "dict/world-v0", datasets / "small.zarr", memory=1 << 20, chunk_steps=4, progress=False
+    )
+    want = episode_steps(dataset.iterate_episodes())
+    assert_identical(big.read(), want)
+    assert_identical(small.read(), want)
+    steps = big.read()
+    assert steps["observation"]["pos"].dtype == np.float32
+    assert steps["observation"]["parts"][1].dtype == np.int64  # Discrete
+    assert steps["action"][0].dtype == np.float64 and steps["action"][0].shape[-1] == 2
+    assert isinstance(steps["observation"]["parts"], tuple)
+
+
+def test_minari_episodes_cut_across_blocks(datasets, monkeypatch):
+    """Blocks of 5 steps: nearly every episode spans two or more blocks."""
+    import equibuffer._offline._source as source
+
+    dataset = record("cartpole/cut-v0", gym.make("CartPole-v1"), episodes=5, seed=7)
+    monkeypatch.setattr(source, "block_steps", lambda where, s, memory: 5)
+    archive = eb.from_minari("cartpole/cut-v0", datasets / "a.zarr", progress=False)
+    assert_identical(archive.read(), episode_steps(dataset.iterate_episodes()))
+
+
+def test_minari_loader_windows_stay_in_episodes(datasets):
+    dataset = record("cartpole/loader-v0", gym.make("CartPole-v1"), episodes=12, seed=1)
+    archive = eb.from_minari("cartpole/loader-v0", datasets / "a.zarr", progress=False)
+    lengths = [len(e.rewards) for e in dataset.iterate_episodes()]
+    with eb.ArchiveLoader(
+        archive, 0, 32, sequence_length=4, episode_end="episode_end", epochs=1
+    ) as loader:
+        count = 0
+        for batch in loader:
+            ends = np.asarray(batch.experience["episode_end"])[np.asarray(batch.mask)]
+            assert not ends[:, :-1].any()  # an end only as a window's last step
+            count += int(batch.mask.sum())
+    assert count == sum(max(0, t + 1 - 3) for t in lengths)
+    # transitions: exactly the T of every episode, the last one onto the final observation
+    obs = {}
+    with eb.ArchiveLoader(
+        archive, 0, 64, view="transition", episode_end="episode_end", epochs=1
+    ) as loader:
+        count = 0
+        for batch in loader:
+            t = batch.experience
+            m = np.asarray(batch.mask)
+            first = np.asarray(t.first["observation"])[m]
+            second = np.asarray(t.second["observation"])[m]
+            for a, b in zip(first, second, strict=True):
+                obs[a.tobytes()] = b
+            count += int(m.sum())
+    assert count == dataset.total_steps
+    for e in dataset.iterate_episodes():
+        for a, b in zip(e.observations[:-1], e.observations[1:], strict=True):
+            np.testing.assert_array_equal(obs[a.tobytes()], b)
+
+
+def test_minari_like_checked_before_any_write(datasets):
+    record("cartpole/like-v0", gym.make("CartPole-v1"), episodes=2)
+    good = {
+        "observation": jnp.zeros(4),
+        "action": jnp.int32(0),
+        "reward": jnp.float32(0),
+        "terminated": jnp.bool_(False),
+        "truncated": jnp.bool_(False),
+        "episode_end": jnp.bool_(False),
+    }
+    wrong = dict(good, observation=jnp.zeros(5))
+    buffer = eb.TrajectoryBuffer(wrong, add_batch_size=1, capacity=8, sequence_length=1)
+    with pytest.raises(
+        eb.SourceError,
+        match=r"\['observation'\]: shape \(4,\) in the data set, "
+        r"\(5,\) in the buffer",
+    ):
+        eb.from_minari("cartpole/like-v0", datasets / "a.zarr", like=buffer)
+    assert not (datasets / "a.zarr").exists()  # nothing written
+    missing = {k: v for k, v in good.items() if k != "episode_end"}
+    buffer = eb.TrajectoryBuffer(missing, add_batch_size=1, capacity=8, sequence_length=1)
+    with pytest.raises(
+        eb.SourceError,
+        match="leaves in the data set but not in the buffer: "
+        r"\['episode_end'\]",
+    ):
+        eb.from_minari("cartpole/like-v0", datasets / "a.zarr", like=buffer)
+    # dtypes: the data set's int64 actions and float64 rewards; a float32 reward differs
+    buffer = eb.TrajectoryBuffer(good, add_batch_size=1, capacity=8, sequence_length=1)
+    with pytest.raises(eb.SourceError, match=r"\['reward'\]: dtype float64 in the data set"):
+        eb.from_minari("cartpole/like-v0", datasets / "a.zarr", like=buffer)
+    assert not (datasets / "a.zarr").exists()
+
+
+def test_minari_errors(datasets):
+    with pytest.raises(FileNotFoundError, match="no Minari data set 'nothing/here-v0'"):
+        eb.from_minari("nothing/here-v0", datasets / "a.zarr")
+    with pytest.raises(FileNotFoundError, match="no Minari data set"):
+        eb.from_minari(datasets, datasets / "a.zarr")  # a directory, not a data set
+    text = gym.spaces.Text(5)
+    with pytest.raises(eb.SourceError, match="the observation space is a Text"):
+        space_example("eb.from_minari()", "observation", text)
+    assert not (datasets / "a.zarr").exists()
+
+
+def test_minari_refuses_an_archive_of_something_else(datasets):
+    record("cartpole/one-v0", gym.make("CartPole-v1"), episodes=2, seed=0)
+    record("cartpole/two-v0", gym.make("CartPole-v1"), episodes=3, seed=5)
+    eb.from_minari("cartpole/one-v0", datasets / "a.zarr", progress=False)
+    again = eb.from_minari("cartpole/one-v0", datasets / "a.zarr", progress=False)  # done: kept
+    assert again.metadata["dataset_id"] == "cartpole/one-v0"
+    with pytest.raises(eb.SourceError, match="holds an import of .*one-v0.*give the import a new"):
+        eb.from_minari("cartpole/two-v0", datasets / "a.zarr", progress=False)
+
+
+# ------------------------------------------------------------------------------- D4RL
+
+
+@pytest.mark.parametrize("next_obs", [True, False])
+def test_d4rl_bit_for_bit(tmp_path, next_obs):
+    obs, terminals, timeouts = d4rl_file(tmp_path / "h.hdf5", next_obs=next_obs)
+    archive = eb.from_d4rl(tmp_path / "h.hdf5", tmp_path / "h.zarr", progress=False)
+    steps = {k: v[0] for k, v in archive.read().items()}
+    n = len(terminals)
+    ends = terminals | timeouts
+    ends[-1] = True
+    with h5py.File(tmp_path / "h.hdf5") as f:
+        source = {k: f[k][()] for k in ("actions", "rewards")}
+    if next_obs:
+        episodes = np.split(np.arange(n), np.flatnonzero(ends)[:-1] + 1)
+        assert len(archive) == n + len(episodes)
+        at = 0
+        for ep in episodes:
+            t = len(ep)
+            np.testing.assert_array_equal(steps["observation"][at : at + t], obs[ep])
+            np.testing.assert_array_equal(steps["observation"][at + t], obs[ep[-1] + 1])
+            np.testing.assert_array_equal(steps["action"][at : at + t], source["actions"][ep])
+            np.testing.assert_array_equal(steps["reward"][at : at + t], source["rewards"][ep])
+            np.testing.assert_array_equal(steps["terminated"][at : at + t], terminals[ep])
+            np.testing.assert_array_equal(steps["truncated"][at : at + t], timeouts[ep])
+            assert steps["action"][at + t].tolist() == [0, 0, 0] and steps["reward"][at + t] == 0
+            assert not steps["terminated"][at + t] and not steps["truncated"][at + t]
+            assert steps["episode_end"][at : at + t + 1].tolist() == [False] * t + [True]
+            at += t + 1
+        assert at == len(archive)
+    else:
+        assert len(archive) == n
+        np.testing.assert_array_equal(steps["observation"], obs[:-1])
+        np.testing.assert_array_equal(steps["action"], source["actions"])
+        np.testing.assert_array_equal(steps["episode_end"], ends)
+        np.testing.assert_array_equal(steps["terminated"], terminals)
+        np.testing.assert_array_equal(steps["truncated"], timeouts)
+    assert archive.metadata["attributes"] == {"env": "hopper-medium-v2"}
+    assert archive.metadata["metadata"]["algorithm"] == "SAC"
+    assert archive.metadata["final_observations"] is next_obs
+    assert all(x.dtype == np.float32 for x in (steps["observation"], steps["reward"]))
+
+
+def test_d4rl_small_blocks_equal_one_block(tmp_path, monkeypatch):
+    import equibuffer._offline._source as source
+
+    d4rl_file(tmp_path / "h.hdf5", n=600)
+    whole = eb.from_d4rl(tmp_path / "h.hdf5", tmp_path / "a.zarr", progress=False).read()
+    monkeypatch.setattr(source, "block_steps", lambda where, s, memory: 7)
+    cut = eb.from_d4rl(tmp_path / "h.hdf5", tmp_path / "b.zarr", progress=False).read()
+    assert_identical(cut, whole)
+
+
+def test_d4rl_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no D4RL file at .*missing.hdf5"):
+        eb.from_d4rl(tmp_path / "missing.hdf5", tmp_path / "a.zarr")
+    (tmp_path / "text.hdf5").write_text("not hdf5")
+    with pytest.raises(eb.SourceError, match="text.hdf5 is not an HDF5 file"):
+        eb.from_d4rl(tmp_path / "text.hdf5", tmp_path / "a.zarr")
+    d4rl_file(tmp_path / "h.hdf5", n=50)
+    with h5py.File(tmp_path / "h.hdf5", "a") as f:
+        del f["timeouts"]
+    with pytest.raises(eb.SourceError, match="has no field 'timeouts'"):
+        eb.from_d4rl(tmp_path / "h.hdf5", tmp_path / "a.zarr")
+    d4rl_file(tmp_path / "h.hdf5", n=50)
+    with h5py.File(tmp_path / "h.hdf5", "a") as f:
+        del f["rewards"]
+        f["rewards"] = np.zeros(49, np.float32)
+    with pytest.raises(eb.SourceError, match="field 'rewards' has shape \\(49,\\); expected 50"):
+        eb.from_d4rl(tmp_path / "h.hdf5", tmp_path / "a.zarr")
+    d4rl_file(tmp_path / "h.hdf5", n=50)
+    with pytest.raises(ValueError, match="memory=1000 bytes is too small"):
+        eb.from_d4rl(tmp_path / "h.hdf5", tmp_path / "a.zarr", memory=1000)
+    assert not (tmp_path / "a.zarr").exists()
+
+
+_KILLED = """
+import sys, time
+import equibuffer._offline._source as source
+import equibuffer as eb
+appended = eb.Archive.append
+def slow(self, steps):  # slow enough to be killed between (or in) the appends
+    n = appended(self, steps)
+    time.sleep(0.05)
+    return n
+eb.Archive.append = slow
+source.block_steps = lambda where, s, memory: 37
+eb.from_d4rl(sys.argv[1], sys.argv[2], progress=False)
+"""
+
+
+@pytest.mark.slow
+def test_d4rl_resumes_after_sigkill(tmp_path):
+    """SIGKILL at random moments of an import, then run again: the same archive as one run,
+    no step lost or doubled."""
+    d4rl_file(tmp_path / "h.hdf5", n=3000)
+    want = eb.from_d4rl(tmp_path / "h.hdf5", tmp_path / "once.zarr", progress=False)
+    path = tmp_path / "killed.zarr"
+    rng = np.random.default_rng(0)
+    lengths = []
+    for _ in range(3):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _KILLED, str(tmp_path / "h.hdf5"), str(path)]
+        )
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if len(eb.Archive(path, mode="r", progress=False)) > (lengths or [0])[-1]:
+                    break
+            except FileNotFoundError:
+                pass
+            time.sleep(0.01)
+        time.sleep(float(rng.uniform(0, 0.2)))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        lengths.append(len(eb.Archive(path, mode="r", progress=False)))
+    assert 0 < lengths[-1] < len(want)  # killed midway
+    got = eb.from_d4rl(tmp_path / "h.hdf5", path, progress=False)
+    assert len(got) == got.source_steps == len(want)
+    assert_identical(got.read(), want.read())
+    assert got.segments == [(0, len(want))]
+
+
+@pytest.mark.slow
+def test_minari_resumes_after_sigkill(datasets):
+    dataset = record("cartpole/kill-v0", gym.make("CartPole-v1"), episodes=30, seed=2)
+    code = _KILLED.replace("eb.from_d4rl", "eb.from_minari").replace("37", "11")
+    path = datasets / "killed.zarr"
+    env = dict(os.environ, MINARI_DATASETS_PATH=os.environ["MINARI_DATASETS_PATH"])
+    proc = subprocess.Popen([sys.executable, "-c", code, "cartpole/kill-v0", str(path)], env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if len(eb.Archive(path, mode="r", progress=False)) > 100:
+                break
+        except FileNotFoundError:
+            pass
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    held = len(eb.Archive(path, mode="r", progress=False))
+    total = dataset.total_steps + dataset.total_episodes
+    assert 0 < held < total
+    got = eb.from_minari("cartpole/kill-v0", path, progress=False)
+    assert len(got) == total
+    assert_identical(got.read(), episode_steps(dataset.iterate_episodes()))

@@ -57,6 +57,7 @@ from ._offline import (
     from_minari as from_minari,
     from_vault as from_vault,
     SourceError as SourceError,
+    to_minari as to_minari,
 )
 from ._protocol import (
     AbstractPrioritisedSource as AbstractPrioritisedSource,

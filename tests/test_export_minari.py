@@ -2,28 +2,22 @@
 that `minari.load_dataset` opens, episode for episode and bit for bit."""
 
 import gc
-import inspect
 import os
-import re
-import textwrap
 import warnings
 
+import gymnasium as gym
 import jax
 import jax.numpy as jnp
+import minari
 import numpy as np
 import pytest
+from minari.dataset._storages.hdf5_storage import HDF5Storage
+from minari.serialization import serialize_space
 
 import equibuffer as eb
 from equibuffer._archive._format import StepSchema
-from equibuffer._offline._export import to_minari
 from equibuffer._offline._source import MIN_MEMORY
 
-
-# Neither is a dependency of equibuffer (nor of its test group).
-minari = pytest.importorskip("minari")
-gym = pytest.importorskip("gymnasium")
-serialize_space = pytest.importorskip("minari.serialization").serialize_space
-HDF5Storage = pytest.importorskip("minari.dataset._storages.hdf5_storage").HDF5Storage
 
 # Every test below stays well under 20 s on two shared cores (the first one pays minari's and
 # gymnasium's imports).
@@ -167,7 +161,7 @@ def test_box_observations_two_rows(tmp_path):
     rng = np.random.default_rng(0)
     steps, episodes = layout(rng, ROWS, 40, example_of(np.zeros(3, np.float32)))
     archive = archive_of(tmp_path / "a.zarr", steps, 2)
-    returned = to_minari(archive, "box/equibuffer-v0", progress=False, **META)
+    returned = eb.to_minari(archive, "box/equibuffer-v0", progress=False, **META)
     dataset = minari.load_dataset("box/equibuffer-v0")
     assert_episodes(dataset, episodes)
     assert returned.total_episodes == 9 and returned.total_steps == dataset.total_steps == 71
@@ -181,7 +175,7 @@ def test_box_observations_two_rows(tmp_path):
     assert meta["author"] == {"equibuffer"} and meta["author_email"] == {META["author_email"]}
     assert dataset.spec.env_spec is None
     # Minari's advice on the metadata left out is not repeated (warnings are errors here).
-    to_minari(archive, "box/bare-v0", progress=False)
+    eb.to_minari(archive, "box/bare-v0", progress=False)
     assert minari.load_dataset("box/bare-v0").total_episodes == 9
 
 
@@ -200,7 +194,7 @@ def test_nested_observations(tmp_path, kind):
     # Opened without `like`, the archive reads a dict by leaf name: the nesting is its own.
     reader = eb.Archive(str(path), mode="r", progress=False)
     assert ("observation.pos" if kind == "dict" else "observation.0") in reader.read(0, 1)
-    to_minari(reader, f"nested/{kind}-v0", progress=False, **META)
+    eb.to_minari(reader, f"nested/{kind}-v0", progress=False, **META)
     dataset = minari.load_dataset(f"nested/{kind}-v0")
     assert_episodes(dataset, episodes)
     spaces = [
@@ -218,12 +212,11 @@ def test_nested_observations(tmp_path, kind):
 
 
 def test_arrow_format(tmp_path):
-    pytest.importorskip("pyarrow")  # Minari's arrow extra
     observation = {"pos": np.zeros(2, np.float32), "seen": (np.zeros((), bool),)}
     rng = np.random.default_rng(2)
     steps, episodes = layout(rng, ROWS, 40, example_of(observation))
     archive = archive_of(tmp_path / "a.zarr", steps, 2)
-    to_minari(archive, "arrow/equibuffer-v0", progress=False, data_format="arrow", **META)
+    eb.to_minari(archive, "arrow/equibuffer-v0", progress=False, data_format="arrow", **META)
     dataset = minari.load_dataset("arrow/equibuffer-v0")
     assert dataset.storage.FORMAT == "arrow"
     assert_episodes(dataset, episodes)
@@ -254,14 +247,14 @@ def test_small_memory_gives_the_same_data_set(tmp_path, monkeypatch):
 
     monkeypatch.setattr(eb.Archive, "read", counted_read)
     monkeypatch.setattr(HDF5Storage, "update_episodes", counted_update)
-    to_minari(archive, "memory/small-v0", memory=MIN_MEMORY, progress=False, **META)
+    eb.to_minari(archive, "memory/small-v0", memory=MIN_MEMORY, progress=False, **META)
     # (1 MiB / 4) // 4111 bytes = 63 steps a block: 7 blocks a row. The first "batch" is
     # the empty one the data set is created with.
     assert reads == [63] * 6 + [22] + [63] * 6 + [22]
     assert batches[0] == 0 and len(batches) > 5 and sum(batches) == 12
     reads.clear()
     batches.clear()
-    to_minari(archive, "memory/large-v0", progress=False, **META)
+    eb.to_minari(archive, "memory/large-v0", progress=False, **META)
     assert reads == [400, 400] and batches == [0, 12]
     small, large = minari.load_dataset("memory/small-v0"), minari.load_dataset("memory/large-v0")
     assert_episodes(small, episodes)
@@ -277,7 +270,7 @@ def test_unfinished_tail_is_left_out_with_a_warning(tmp_path):
     steps, episodes = layout(rng, rows, 20, example_of(np.zeros(3, np.float32)))
     archive = archive_of(tmp_path / "a.zarr", steps, 2)
     with pytest.warns(UserWarning, match=r"left out 10 steps after the last episode end") as got:
-        to_minari(archive, "tail/equibuffer-v0", progress=False, **META)
+        eb.to_minari(archive, "tail/equibuffer-v0", progress=False, **META)
     (said,) = [str(w.message) for w in got]
     assert "(row 0: 3, row 1: 7); 1 episode of one step" in said
     kept = [e for e in episodes if len(e["rewards"])]
@@ -299,7 +292,7 @@ def test_keys_name_other_leaves(tmp_path):
     renamed = {names[k]: v for k, v in steps.items()}
     renamed["extra"] = np.zeros((2, 40, 5), np.float32)  # not exported
     archive = archive_of(tmp_path / "a.zarr", renamed, 2)
-    to_minari(archive, "keys/equibuffer-v0", keys=names, progress=False, **META)
+    eb.to_minari(archive, "keys/equibuffer-v0", keys=names, progress=False, **META)
     assert_episodes(minari.load_dataset("keys/equibuffer-v0"), episodes)
 
 
@@ -320,11 +313,11 @@ def test_buffer_and_its_archive(tmp_path):
     rng = np.random.default_rng(6)
     steps, episodes = layout(rng, ROWS, 40, host)
     buffer = buffer.add(jax.tree.map(jnp.asarray, steps))
-    to_minari(buffer, "buffer/held-v0", progress=False, **META)
+    eb.to_minari(buffer, "buffer/held-v0", progress=False, **META)
     assert_episodes(minari.load_dataset("buffer/held-v0"), episodes)
     with eb.Archive(str(tmp_path / "a.zarr"), buffer, progress=False) as archive:
         archive.write(buffer)
-        to_minari(archive, "buffer/archived-v0", progress=False, **META)
+        eb.to_minari(archive, "buffer/archived-v0", progress=False, **META)
     assert_episodes(minari.load_dataset("buffer/archived-v0"), episodes)
 
     # 40 more steps (the same in both rows): the ring of 48 holds steps 32 to 79, of which
@@ -333,7 +326,7 @@ def test_buffer_and_its_archive(tmp_path):
     more = jax.tree.map(lambda x: jnp.asarray(np.concatenate([x, x])), more)
     wrapped = buffer.add(more)
     with pytest.warns(UserWarning, match=r"left out 16 steps of episodes whose start") as got:
-        to_minari(wrapped, "buffer/wrapped-v0", progress=False, **META)
+        eb.to_minari(wrapped, "buffer/wrapped-v0", progress=False, **META)
     assert len(got) == 1
     assert_episodes(minari.load_dataset("buffer/wrapped-v0"), later + later)
 
@@ -345,7 +338,7 @@ def test_buffer_and_its_archive(tmp_path):
             gap.write(wrapped.add(more))
         assert gap.segments == [(0, 40), (40, 88)]
         with pytest.warns(UserWarning, match=r"left out 16 steps of episodes whose start"):
-            to_minari(gap, "buffer/gap-v0", progress=False, **META)
+            eb.to_minari(gap, "buffer/gap-v0", progress=False, **META)
     assert_episodes(
         minari.load_dataset("buffer/gap-v0"), [*episodes[:5], *later, *episodes[5:], *later]
     )
@@ -368,34 +361,36 @@ def test_errors_before_anything_is_created(tmp_path):
     partial = {k: v for k, v in steps.items() if k != "truncated"}
     lacking = archive_of(tmp_path / "b.zarr", partial, 2)
     with pytest.raises(ValueError, match=r"has no leaf 'truncated'; its leaves are 'action', "):
-        to_minari(lacking, "errors/lacking-v0", progress=False)
+        eb.to_minari(lacking, "errors/lacking-v0", progress=False)
     _nothing_created("errors/lacking-v0")
     with pytest.raises(ValueError, match=r"no leaf 'last' \(the episode_end\)"):
-        to_minari(archive, "errors/keys-v0", keys={"episode_end": "last"}, progress=False)
+        eb.to_minari(archive, "errors/keys-v0", keys={"episode_end": "last"}, progress=False)
     with pytest.raises(ValueError, match=r"`keys` has 'obs', not among the roles"):
-        to_minari(archive, "errors/keys-v0", keys={"obs": "observation"}, progress=False)
+        eb.to_minari(archive, "errors/keys-v0", keys={"obs": "observation"}, progress=False)
 
     ints = dict(steps, episode_end=steps["episode_end"].astype(np.int8))
     with pytest.raises(
         ValueError, match=r"episode_end 'episode_end' has dtype int8; expected bool"
     ):
-        to_minari(archive_of(tmp_path / "c.zarr", ints, 2), "errors/ints-v0", progress=False)
+        eb.to_minari(archive_of(tmp_path / "c.zarr", ints, 2), "errors/ints-v0", progress=False)
     _nothing_created("errors/ints-v0")
 
     complex_ = dict(steps, observation=steps["observation"].astype(np.complex64))
     with pytest.raises(ValueError, match=r"observation \(dtype complex64\) has no Box to infer"):
-        to_minari(archive_of(tmp_path / "d.zarr", complex_, 2), "errors/complex-v0", progress=False)
+        eb.to_minari(
+            archive_of(tmp_path / "d.zarr", complex_, 2), "errors/complex-v0", progress=False
+        )
     _nothing_created("errors/complex-v0")
 
     with pytest.raises(ValueError, match=r"its observation is float32\[3\], not the Box's"):
-        to_minari(
+        eb.to_minari(
             archive,
             "errors/space-v0",
             observation_space=gym.spaces.Box(-1, 1, (4,), np.float32),
             progress=False,
         )
     with pytest.raises(ValueError, match=r"observation is an array float32\[3\], not a dict"):
-        to_minari(
+        eb.to_minari(
             archive,
             "errors/space-v0",
             observation_space=gym.spaces.Dict({"a": gym.spaces.Discrete(2)}),
@@ -404,18 +399,18 @@ def test_errors_before_anything_is_created(tmp_path):
     _nothing_created("errors/space-v0")
 
     with pytest.raises(ValueError, match=r"No storage implemented for zip"):
-        to_minari(archive, "errors/format-v0", data_format="zip", progress=False)
+        eb.to_minari(archive, "errors/format-v0", data_format="zip", progress=False)
     _nothing_created("errors/format-v0")  # (Minari had made its directory)
     with pytest.raises(ValueError, match=r"'no-version' is not a Minari data set id"):
-        to_minari(archive, "no-version", progress=False)
+        eb.to_minari(archive, "no-version", progress=False)
     with pytest.raises(TypeError, match=r"unexpected keyword 'authors'"):
-        to_minari(archive, "errors/meta-v0", authors="me", progress=False)
+        eb.to_minari(archive, "errors/meta-v0", authors="me", progress=False)
     with pytest.raises(ValueError, match=r"memory=1000 bytes is too small"):
-        to_minari(archive, "errors/memory-v0", memory=1000, progress=False)
+        eb.to_minari(archive, "errors/memory-v0", memory=1000, progress=False)
 
-    to_minari(archive, "errors/taken-v0", progress=False)
+    eb.to_minari(archive, "errors/taken-v0", progress=False)
     with pytest.raises(ValueError, match=r"'errors/taken-v0' exists already"):
-        to_minari(archive, "errors/taken-v0", progress=False)
+        eb.to_minari(archive, "errors/taken-v0", progress=False)
     assert minari.load_dataset("errors/taken-v0").total_episodes == 9
     assert sorted(minari.list_local_datasets()) == ["errors/taken-v0"]
 
@@ -434,7 +429,7 @@ def test_a_failed_write_removes_the_data_set(tmp_path, monkeypatch):
 
     monkeypatch.setattr(storage, "update_episodes", failing)
     with pytest.raises(OSError, match="disk full"):
-        to_minari(archive, "failed/equibuffer-v0", progress=False)
+        eb.to_minari(archive, "failed/equibuffer-v0", progress=False)
     _nothing_created("failed/equibuffer-v0")
     assert archive.progress is False  # as it was
 
@@ -500,7 +495,7 @@ def test_round_trip_through_minari_collector(tmp_path):
     with eb.Archive(str(tmp_path / "a.zarr"), schema, metadata=record) as archive:
         archive.append(steps)
     archive = eb.Archive(str(tmp_path / "a.zarr"), mode="r", progress=False)
-    to_minari(archive, "cartpole/equibuffer-v0", progress=False, **META)
+    eb.to_minari(archive, "cartpole/equibuffer-v0", progress=False, **META)
     exported = minari.load_dataset("cartpole/equibuffer-v0")
     want = [
         {
@@ -522,17 +517,8 @@ def test_round_trip_through_minari_collector(tmp_path):
     # An `env` gives the spec (and the spaces): the same data set from steps without record.
     plain = eb.Archive(str(tmp_path / "b.zarr"), schema, progress=False)
     plain.append(steps)
-    to_minari(plain, "cartpole/env-v0", env="CartPole-v1", progress=False, **META)
+    eb.to_minari(plain, "cartpole/env-v0", env="CartPole-v1", progress=False, **META)
     again = minari.load_dataset("cartpole/env-v0")
     assert_episodes(again, want)
     assert again.action_space == gym.spaces.Discrete(2)
     assert again.spec.env_spec == gym.spec("CartPole-v1")
-
-
-def test_docstring_example_runs(monkeypatch, minari_root):
-    """`to_minari`'s example as written (`eb.to_minari` until the package exports it)."""
-    monkeypatch.setattr(eb, "to_minari", to_minari, raising=False)
-    doc = inspect.getdoc(to_minari) or ""
-    (block,) = re.findall(r"!!! example\n\n(.*?)```\n", doc + "\n", flags=re.S)
-    code = re.sub(r"^```python\n", "", textwrap.dedent(block).strip())
-    exec(compile(code, "to_minari example", "exec"), {})

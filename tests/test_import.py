@@ -436,3 +436,15 @@ def test_minari_resumes_after_sigkill(datasets):
     got = eb.from_minari("cartpole/kill-v0", path, progress=False)
     assert len(got) == total
     assert_identical(got.read(), episode_steps(dataset.iterate_episodes()))
+
+
+def test_round_trip_archive_minari_archive(datasets):
+    """archive -> Minari -> archive is the identity, nested spaces and dtypes included."""
+    record("dict/trip-v0", DictWorld(), episodes=25, seed=4)
+    first = eb.from_minari("dict/trip-v0", datasets / "first.zarr", progress=False)
+    exported = eb.to_minari(first, "dict/exported-v0", progress=False, author="tests")
+    assert exported.total_episodes == 25
+    again = eb.from_minari("dict/exported-v0", datasets / "again.zarr", progress=False)
+    assert_identical(again.read(), first.read())
+    assert again.metadata["observation_space"] == first.metadata["observation_space"]
+    assert again.metadata["action_space"] == first.metadata["action_space"]

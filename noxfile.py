@@ -105,7 +105,7 @@ def check_dists(dist: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
         missing = sorted(package - held)
         assert not missing, f"{name} lacks files of equibuffer/: {missing}"
     extras = set(metadata.get_all("Provides-Extra") or [])
-    assert {"s3", "testing", "orbax"} <= extras, (
+    assert {"s3", "testing", "orbax", "offline"} <= extras, (
         f"{wheel.name} declares the extras {sorted(extras)}"
     )
     return wheel, sdist
@@ -124,7 +124,7 @@ def run_installed(session: nox.Session, *selection: str) -> None:
     session.run("uv", "tool", "run", "twine", "check", "--strict", str(wheel), str(sdist))
     deps = nox.project.dependency_groups(PYPROJECT, "tests")
     session.install(
-        f"equibuffer[s3,testing,orbax] @ {wheel.as_uri()}",
+        f"equibuffer[s3,testing,orbax,offline] @ {wheel.as_uri()}",
         *deps,
         "--reinstall-package",
         "equibuffer",
@@ -138,7 +138,7 @@ def run_installed(session: nox.Session, *selection: str) -> None:
 def package(session: nox.Session) -> None:
     """The package as `pip` installs it: builds the sdist and the wheel, checks their metadata
     (`twine check --strict`) and contents (`py.typed` and every file of `equibuffer/`),
-    installs the wheel with its extras `[s3,testing,orbax]` into a fresh environment and runs the
+    installs the wheel with its extras `[s3,testing,orbax,offline]` into a fresh environment and runs the
     tests against it from a copy of the repository without the source (`nox -s tests`'s
     selection; `nox -s package -- tests` runs the whole suite, as CI does on 3.12)."""
     run_installed(session, *(session.posargs or QUICK))
@@ -178,7 +178,7 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """pyright over the package, against the releases this Python resolves (CI runs it on
     3.11 and 3.12: the oldest and the newest jax and zarr)."""
-    install(session, "typecheck", package=".[s3,testing]")
+    install(session, "typecheck", package=".[s3,testing,orbax,offline]")
     session.run("pyright")
 
 
@@ -227,7 +227,7 @@ def bench(session: nox.Session) -> None:
     figures in `benchmarks/README.md` come from Python 3.12 and jax 0.12 (`nox
     --force-python 3.12 -s bench`); on 3.11 the same scripts measure jax 0.10.
     """
-    install(session, "bench", package=".[s3,orbax]")
+    install(session, "bench", package=".[s3,orbax,offline]")
     names = [
         "core",
         "calls",

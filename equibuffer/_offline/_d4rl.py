@@ -48,8 +48,8 @@ class D4RLSource(Source):
         path = os.path.abspath(os.fspath(path))
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{where}: there is no D4RL file at {path}.")
-        try:
-            self.file = h5py.File(path, "r")
+        try:  # (h5py's objects typed as Any: its stubs type every member as a link too)
+            self.file: Any = h5py.File(path, "r")
         except OSError as error:
             raise SourceError(f"{where}: {path} is not an HDF5 file ({error}).") from None
         try:
@@ -69,7 +69,7 @@ class D4RLSource(Source):
                 + ", ".join(sorted(file.keys()))
                 + ")."
             )
-        self.data = {leaf: file[name] for name, leaf in _FIELDS.items()}
+        self.data: dict[str, Any] = {leaf: file[name] for name, leaf in _FIELDS.items()}
         n = self.data["observation"].shape[0]
         for name, leaf in _FIELDS.items():
             x = self.data[leaf]
@@ -85,7 +85,7 @@ class D4RLSource(Source):
                     f"{where}: field {name!r} has shape {x.shape}; expected ({n},) (one value "
                     "a step)."
                 )
-        self.next = file.get("next_observations")
+        self.next: Any = file.get("next_observations")
         if self.next is not None and self.next.shape != self.data["observation"].shape:
             raise SourceError(
                 f"{where}: field 'next_observations' has shape {self.next.shape}; expected "

@@ -27,7 +27,7 @@ def space_example(where: str, name: str, space: Any) -> PyTree[np.ndarray]:
     if isinstance(space, spaces.Tuple):
         return tuple(space_example(where, f"{name}[{i}]", s) for i, s in enumerate(space.spaces))
     if isinstance(space, (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)):
-        assert space.dtype is not None
+        assert space.dtype is not None and space.shape is not None
         return np.zeros(space.shape, space.dtype)
     raise SourceError(
         f"{where}: the {name} space is a {type(space).__name__}, which has no fixed shape: the "

@@ -1285,3 +1285,42 @@ def test_a_small_first_write_is_too_little_to_judge_and_keeps_the_codec(tmp_path
         archive.write(ring_holding(storage, [done(0, 256), frame], 256))
     assert _codec_of(path, "done") is None and _codec_of(path, "frame") == "ZstdCodec"
     assert _stored_bytes(path, "done") == 2 * 256  # 4 bytes per chunk (zstd: 13 or more)
+
+
+def test_append_steps_without_a_buffer():
+    """`Archive.append` takes arrays in the archive's tree (a dict by leaf name without
+    `like`, a root leaf too), commits them as source steps, and refuses, naming the leaf, a
+    missing or extra leaf, another shape or another dtype before writing."""
+    buffer = eb.ItemBuffer(
+        {"x": jnp.float32(0), "y": jnp.zeros(2, jnp.int32)}, add_batch_size=2, capacity=4
+    )
+    store = zarr.storage.MemoryStore()
+    with eb.Archive(store, buffer) as archive:
+        x, y = np.arange(6, dtype=np.float32).reshape(2, 3), np.ones((2, 3, 2), np.int32)
+        assert archive.append({"x": x, "y": y}) == 3
+        with pytest.raises(ValueError, match=r"leaf \['y'\] has dtype int64; the archive holds"):
+            archive.append({"x": x, "y": y.astype(np.int64)})
+        with pytest.raises(ValueError, match=r"leaf \['y'\] has shape \(2, 3, 3\)"):
+            archive.append({"x": x, "y": np.ones((2, 3, 3), np.int32)})
+        with pytest.raises(ValueError, match=r"leaves of the archive not given: \['y'\]"):
+            archive.append({"x": x})
+        assert len(archive) == archive.source_steps == 3
+    reader = eb.Archive(store, mode="r")
+    np.testing.assert_array_equal(reader.read()["x"], x)
+    with eb.Archive(store) as again:  # without `like`: a dict by leaf name
+        assert again.append(again.read(0, 1)) == 1
+        assert len(again) == 4 and again.read(3)["x"].tolist() == [[0.0], [3.0]]
+    root = eb.ItemBuffer(jnp.float32(0), add_batch_size=1, capacity=4)
+    with eb.Archive(zarr.storage.MemoryStore(), root) as archive:
+        assert archive.append(np.ones((1, 3), np.float32)) == 3
+
+
+def test_metadata_kept_and_checked():
+    buffer = eb.ItemBuffer({"x": jnp.float32(0)}, add_batch_size=1, capacity=4)
+    store = zarr.storage.MemoryStore()
+    meta = {"env": "Pendulum-v1", "spec": {"max_steps": 200, "tags": ["a", None]}}
+    with eb.Archive(store, buffer, metadata=meta) as archive:
+        archive.write(buffer.add({"x": jnp.ones((1, 2))}))
+    assert eb.Archive(store, mode="r").metadata == meta  # kept through commits
+    with pytest.raises(TypeError, match="`metadata` must hold JSON values only"):
+        eb.Archive(zarr.storage.MemoryStore(), buffer, metadata={"x": np.float32(1)})

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import zarr
 
+from .._checks import keystr
 from .._ring import host_counters
 from ._chunks import Chunks, EMPTY, LeafIO, Shards
 from ._format import (
@@ -264,7 +265,7 @@ class Writer:
             paths = names
         else:
             found, _ = jax.tree_util.tree_flatten_with_path(steps)
-            by_path = {jax.tree_util.keystr(p): x for p, x in found}
+            by_path = {keystr(p): x for p, x in found}
             paths = [leaf.path for leaf in layout.leaves]
             missing = [p for p in paths if p not in by_path]
             extra = [p for p in by_path if p not in set(paths)]

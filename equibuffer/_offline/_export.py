@@ -21,11 +21,11 @@ from typing import Any, cast, TYPE_CHECKING
 
 import jax
 import numpy as np
-import tqdm
 from jaxtyping import Shaped
 
 from .._archive._archive import Archive
 from .._archive._format import BufferLike, storage_of
+from .._archive._reader import progress_bar
 from .._checks import check_positive_int
 from .._ring import host_counters
 from ._source import DEFAULT_MEMORY, MIN_MEMORY
@@ -743,7 +743,7 @@ def to_minari(
         if isinstance(source, Archive):
             source.progress = False  # one bar, this one
         end = plan.leaves["episode_end"][0]
-        with tqdm.tqdm(
+        with progress_bar()(
             total=steps.rows * steps.length,
             unit="step",
             unit_scale=True,

@@ -138,9 +138,10 @@ def run_installed(session: nox.Session, *selection: str) -> None:
 def package(session: nox.Session) -> None:
     """The package as `pip` installs it: builds the sdist and the wheel, checks their metadata
     (`twine check --strict`) and contents (`py.typed` and every file of `equibuffer/`),
-    installs the wheel with its extras `[s3,testing,orbax,offline]` into a fresh environment and runs the
-    tests against it from a copy of the repository without the source (`nox -s tests`'s
-    selection; `nox -s package -- tests` runs the whole suite, as CI does on 3.12)."""
+    installs the wheel with its extras `[s3,testing,orbax,offline]` into a fresh environment
+    and runs the tests against it from a copy of the repository without the source
+    (`nox -s tests`'s selection; `nox -s package -- tests` runs the whole suite, as CI does on
+    3.12)."""
     run_installed(session, *(session.posargs or QUICK))
 
 

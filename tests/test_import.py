@@ -33,12 +33,15 @@ def datasets(tmp_path, monkeypatch):
     return tmp_path
 
 
-def record(dataset_id: str, env: gym.Env, episodes: int, seed: int = 0) -> minari.MinariDataset:
-    """A Minari data set recorded with its own collector, random actions, seeded."""
+def record(
+    dataset_id: str, env: gym.Env, episodes: int, seed: int = 0, data_format: str | None = None
+) -> minari.MinariDataset:
+    """A Minari data set recorded with its own collector, random actions, seeded (in
+    Minari's default format, HDF5, or `data_format`)."""
     env.action_space.seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # minari's note that eval_env defaults to env
-        collector = minari.DataCollector(env)
+        collector = minari.DataCollector(env, data_format=data_format)
         for k in range(episodes):
             collector.reset(seed=seed + k)
             done = False
@@ -177,7 +180,7 @@ def test_minari_cartpole_bit_for_bit(datasets):
 def test_minari_nested_spaces_and_small_memory(datasets):
     dataset = record("dict/world-v0", DictWorld(), episodes=40, seed=3)
     big = eb.from_minari("dict/world-v0", datasets / "big.zarr", progress=False)
-    # memory of 1 MiB stages a quarter: 262144 bytes, i.e. blocks of a few thousand steps;
+    # memory of 1 MiB stages a fifth: 209715 bytes, i.e. blocks of a few thousand steps;
     # chunk_steps=4 and many small appends (memory below) exercise episodes cut by blocks.
     small = eb.from_minari(
         "dict/world-v0", datasets / "small.zarr", memory=1 << 20, chunk_steps=4, progress=False
@@ -290,6 +293,132 @@ def test_minari_refuses_an_archive_of_something_else(datasets):
         eb.from_minari("cartpole/two-v0", datasets / "a.zarr", progress=False)
 
 
+def frames(episodes: int, seed: int = 0) -> list:
+    """Episodes of 32x32 RGB frames (an image space, as Minari's `is_image_space` says) and
+    Discrete actions, as Minari's buffers, of 3 to 12 steps."""
+    from minari.data_collector import EpisodeBuffer
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(episodes):
+        t = int(rng.integers(3, 13))
+        ends = np.zeros(t, bool)
+        ends[-1] = True
+        out.append(
+            EpisodeBuffer(
+                observations=rng.integers(0, 256, (t + 1, 32, 32, 3), dtype=np.uint8),
+                actions=rng.integers(0, 4, t),
+                rewards=rng.standard_normal(t),
+                terminations=ends,
+                truncations=np.zeros(t, bool),
+            )
+        )
+    return out
+
+
+def from_buffers(dataset_id: str, episodes: list, jpeg: bool) -> minari.MinariDataset:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # minari's notes on the metadata left unset
+        return minari.create_dataset_from_buffers(
+            dataset_id,
+            episodes,
+            algorithm_name="random",
+            observation_space=gym.spaces.Box(0, 255, (32, 32, 3), np.uint8),
+            action_space=gym.spaces.Discrete(4),
+            jpeg_encoding=jpeg,
+        )
+
+
+def test_minari_arrow_and_jpeg_read_with_minari_bit_for_bit(datasets):
+    """Where the direct HDF5 read does not apply (Minari's Arrow format; JPEG-encoded
+    frames), Minari's own storage reads the episodes: the archive holds what it decodes."""
+    from equibuffer._offline._minari import MinariSource
+
+    arrow = record("dict/arrow-v0", DictWorld(), episodes=12, seed=5, data_format="arrow")
+    assert arrow.storage.FORMAT == "arrow"
+    jpeg = from_buffers("frames/jpeg-v0", frames(6), jpeg=True)
+    assert jpeg.storage.FORMAT == "hdf5" and jpeg.storage.jpeg_encoding
+    for name, dataset in (("arrow", arrow), ("jpeg", jpeg)):
+        source = MinariSource(dataset)
+        assert source.h5 is None  # (read with Minari's storage)
+        source.close()
+        want = episode_steps(dataset.iterate_episodes())
+        archive = eb.from_minari(dataset, datasets / f"{name}.zarr", progress=False)
+        assert_identical(archive.read(), want)
+        cut = eb.from_minari(
+            dataset, datasets / f"{name}-cut.zarr", memory=1 << 20, chunk_steps=3, progress=False
+        )
+        assert_identical(cut.read(), want)
+
+
+def test_minari_hdf5_read_directly(datasets, monkeypatch):
+    """An HDF5 data set (nested Dict and Tuple spaces; frames, some episodes rewritten in
+    other layouts) is read without Minari's `get_episodes` or episode metadata, bit for
+    bit; so too with episodes cut across blocks, every dataset read from its raw chunks
+    where it can be, and some episodes read by Minari among the others."""
+    from minari.dataset._storages.hdf5_storage import HDF5Storage
+
+    import equibuffer._offline._minari as module
+    import equibuffer._offline._source as source
+
+    nested = record("dict/direct-v0", DictWorld(), episodes=30, seed=6)
+    plain = from_buffers("frames/plain-v0", frames(6, seed=1), jpeg=False)
+    with h5py.File(plain.storage.data_path / "main_data.hdf5", "a") as f:
+        for k, layout in enumerate(  # chunks cut in every dimension; gzip; contiguous
+            [{"chunks": (3, 10, 7, 2)}, {"chunks": (5, 32, 32, 3), "compression": "gzip"}, {}]
+        ):
+            x = f[f"episode_{k}/observations"][()]
+            del f[f"episode_{k}/observations"]
+            f.create_dataset(f"episode_{k}/observations", data=x, **layout)
+    wants = [episode_steps(d.iterate_episodes()) for d in (nested, plain)]
+
+    def refused(*args, **kwargs):
+        raise AssertionError("read with Minari's storage")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(HDF5Storage, "get_episodes", refused)
+        patch.setattr(HDF5Storage, "get_episode_metadata", refused)
+        for i, (dataset, want) in enumerate(zip((nested, plain), wants, strict=True)):
+            direct = module.MinariSource(dataset)
+            assert direct.h5 is not None
+            assert repr(direct.example["reward"].dtype) == "dtype('float64')"  # (not h5py's <f8)
+            direct.close()
+            archive = eb.from_minari(dataset, datasets / f"{i}.zarr", progress=False)
+            assert_identical(archive.read(), want)
+    opened = module._HDF5.episode
+    monkeypatch.setattr(source, "block_steps", lambda where, s, memory: 7)
+    monkeypatch.setattr(module, "_RAW_BYTES", 0)
+    monkeypatch.setattr(  # episodes 2, 5, 8, ... read by Minari
+        module._HDF5, "episode", lambda self, k, *a: None if k % 3 == 2 else opened(self, k, *a)
+    )
+    for i, (dataset, want) in enumerate(zip((nested, plain), wants, strict=True)):
+        archive = eb.from_minari(dataset, datasets / f"mixed{i}.zarr", progress=False)
+        assert_identical(archive.read(), want)
+
+
+def test_minari_hdf5_episodes_unlike_their_spaces(datasets):
+    """An HDF5 episode that does not match the spaces is refused as before, naming its dtype
+    and shape, or the part it lacks (episode 0's before anything is written)."""
+    dataset = record("cartpole/odd-v0", gym.make("CartPole-v1"), episodes=4, seed=3)
+    t = len(list(dataset.iterate_episodes())[2].rewards)
+    with h5py.File(dataset.storage.data_path / "main_data.hdf5", "a") as f:
+        x = f["episode_2/observations"][()]
+        del f["episode_2/observations"]
+        f["episode_2/observations"] = x.astype(np.float64)
+    with pytest.raises(
+        eb.SourceError,
+        match=rf"eb.from_minari\(\): episode 2's observations is float64\[{t + 1}, 4\]; its "
+        rf"space says float32\[{t + 1}, 4\]\.",
+    ):
+        eb.from_minari("cartpole/odd-v0", datasets / "a.zarr", progress=False)
+    nested = record("dict/odd-v0", DictWorld(), episodes=3, seed=2)
+    with h5py.File(nested.storage.data_path / "main_data.hdf5", "a") as f:
+        del f["episode_0/observations/seen"]
+    with pytest.raises(eb.SourceError, match="episode 0 lacks the part 'seen' its space has"):
+        eb.from_minari("dict/odd-v0", datasets / "b.zarr", progress=False)
+    assert not (datasets / "b.zarr").exists()
+
+
 # ------------------------------------------------------------------------------- D4RL
 
 
@@ -341,6 +470,57 @@ def test_d4rl_small_blocks_equal_one_block(tmp_path, monkeypatch):
     monkeypatch.setattr(source, "block_steps", lambda where, s, memory: 7)
     cut = eb.from_d4rl(tmp_path / "h.hdf5", tmp_path / "b.zarr", progress=False).read()
     assert_identical(cut, whole)
+
+
+def d4rl_reference(path) -> dict:
+    """What `from_d4rl` promises for a file with `next_observations`, episode by episode."""
+    with h5py.File(path) as f:
+        src = {k: f[k][()] for k in f if isinstance(f[k], h5py.Dataset)}
+    for k in ("rewards", "terminals", "timeouts"):  # (n,) or (n, 1) in the file: (n,) here
+        src[k] = src[k].reshape(-1)
+    ends = src["terminals"] | src["timeouts"]
+    ends[-1] = True
+    out = []
+    for ep in np.split(np.arange(len(ends)), np.flatnonzero(ends)[:-1] + 1):
+
+        def pad(x):
+            return np.concatenate([x, np.zeros((1, *x.shape[1:]), x.dtype)])
+
+        out.append({
+            "observation": np.concatenate(
+                [src["observations"][ep], src["next_observations"][ep[-1:]]]
+            ),
+            "action": pad(src["actions"][ep]),
+            "reward": pad(src["rewards"][ep]),
+            "terminated": pad(src["terminals"][ep]),
+            "truncated": pad(src["timeouts"][ep]),
+            "episode_end": np.arange(len(ep) + 1) == len(ep),
+        })  # fmt: skip
+    return {k: np.concatenate([o[k] for o in out])[None] for k in out[0]}
+
+
+@pytest.mark.parametrize("block, piece", [(1, 1), (2, 30), (3, 1 << 20), (5, 50), (64, 100)])
+def test_d4rl_tiny_episodes_any_block(tmp_path, monkeypatch, block, piece):
+    """Episodes of 1 to 4 steps (every block holds finals, episodes cut anywhere), a block of
+    one step, and a file read in pieces of `piece` bytes (one step of a leaf or more): the
+    same steps as the file's episodes padded with their finals."""
+    import equibuffer._offline._d4rl as d4rl
+    import equibuffer._offline._source as source
+
+    monkeypatch.setattr(d4rl, "_PIECE_BYTES", piece)
+    rng = np.random.default_rng(block)
+    n = 120
+    with h5py.File(tmp_path / "h.hdf5", "w") as f:
+        obs = rng.normal(size=(n, 2, 3)).astype(np.float32)
+        f["observations"] = obs
+        f["next_observations"] = obs + 100
+        f["actions"] = rng.integers(0, 5, (n, 1)).astype(np.int64)
+        f["rewards"] = rng.normal(size=(n, 1)).astype(np.float64)
+        f["terminals"] = rng.random(n) < 0.4
+        f["timeouts"] = rng.random(n) < 0.2
+    monkeypatch.setattr(source, "block_steps", lambda where, s, memory: block)
+    got = eb.from_d4rl(tmp_path / "h.hdf5", tmp_path / "a.zarr", progress=False)
+    assert_identical(got.read(), d4rl_reference(tmp_path / "h.hdf5"))
 
 
 def test_d4rl_errors(tmp_path):

@@ -13,6 +13,7 @@ from .._archive._format import Compression
 from ._source import DEFAULT_MEMORY, import_source, ImportOptions, Source, SourceError
 
 
+_PIECE_BYTES = 4 << 20  # a leaf is read in pieces of this size at most (a block is larger)
 _FIELDS = {  # D4RL's name -> the archive's leaf
     "observations": "observation",
     "actions": "action",
@@ -141,36 +142,67 @@ class D4RLSource(Source):
         return x.reshape(b - a).astype(bool)
 
     def _plain(self, leaf: str, a: int, b: int) -> np.ndarray:
-        x = np.asarray(self.data[leaf][a:b])
-        return x.reshape(b - a, *self.example[leaf].shape)
+        """Source steps `[a, b)` of a leaf, in its archive dtype and shape (one HDF5 read)."""
+        x = np.asarray(self.data[leaf][a:b]).reshape(b - a, *self.example[leaf].shape)
+        return x.astype(bool, copy=False) if leaf in ("terminated", "truncated") else x
 
     def read(self, start: int, stop: int) -> PyTree[np.ndarray]:
-        if self.starts is None:
+        if self.starts is None:  # archive step j is source step j
             out = {leaf: self._plain(leaf, start, stop) for leaf in _FIELDS.values()}
-            out["terminated"] = out["terminated"].astype(bool)
-            out["truncated"] = out["truncated"].astype(bool)
             ends = np.zeros(stop - start, bool)
-            ends[self.last[(self.last >= start) & (self.last < stop)] - start] = True
+            i, j = np.searchsorted(self.last, [start, stop])
+            ends[self.last[i:j] - start] = True
             out["episode_end"] = ends
             return {k: out[k][None] for k in self.example}
-        j = np.arange(start, stop)
-        k = np.searchsorted(self.starts, j, side="right") - 1  # the episode of each step
-        src = j - k  # its source step (for a final step: one past the episode's last)
-        final = src > self.last[k]
-        lo, hi = int(src[0]), int(min(src[-1] + 1, self.n))
-        out = {}
-        for leaf in _FIELDS.values():
-            x = self._plain(leaf, lo, hi)
-            if leaf in ("terminated", "truncated"):
-                x = x.astype(bool)
-            y = np.zeros((stop - start, *x.shape[1:]), x.dtype)
-            y[~final] = x[src[~final] - lo]
-            out[leaf] = y
-        if final.any():
-            at = self.last[k[final]]
-            out["observation"][final] = np.asarray(self.next[at.tolist()])
-        out["episode_end"] = final
+        # Episode k's steps are archive steps `[starts[k], starts[k] + t_k]`: its t_k source
+        # steps `[starts[k] - k, ...)` in order, then its final observation. Each leaf is read
+        # over the source steps the block covers, in pieces of at most `_PIECE_BYTES`, and
+        # copied episode by episode, a slice each.
+        k0, k1 = (int(k) - 1 for k in np.searchsorted(self.starts, [start, stop - 1], "right"))
+        runs = []  # (archive steps [a, b) of an episode's source steps from source step u)
+        finals = []  # (the archive step of an episode's final observation, its last step)
+        for k in range(k0, k1 + 1):
+            begin = int(self.starts[k])
+            final = int(self.last[k]) + k + 1
+            a, b = max(start, begin), min(stop, final)
+            if a < b:
+                runs.append((a - start, b - start, a - k))
+            if start <= final < stop:
+                finals.append((final - start, int(self.last[k])))
+        out = {leaf: self._placed(leaf, runs, stop - start) for leaf in _FIELDS.values()}
+        end = np.zeros(stop - start, bool)
+        if finals:
+            at = [f for f, _ in finals]
+            for leaf in _FIELDS.values():
+                out[leaf][at] = 0
+            end[at] = True
+            out["observation"][at] = np.asarray(self.next[[s for _, s in finals]])
+        out["episode_end"] = end
         return {key: out[key][None] for key in self.example}
+
+    def _placed(self, leaf: str, runs: list[tuple[int, int, int]], steps: int) -> np.ndarray:
+        """A leaf's `steps` archive steps holding, for each run `(a, b, u)`, source steps
+        `[u, u + b - a)` at `[a, b)` (the runs in order; the other steps left unset); the
+        source read in pieces of at most `_PIECE_BYTES`, so that no more than one piece is
+        held beside the result."""
+        example = self.example[leaf]
+        y = np.empty((steps, *example.shape), example.dtype)
+        if not runs:
+            return y
+        lo, hi = runs[0][2], runs[-1][2] + runs[-1][1] - runs[-1][0]
+        per = max(1, _PIECE_BYTES // max(1, example.nbytes))
+        first = 0  # the first run that may reach into the piece
+        for p in range(lo, hi, per):
+            q = min(hi, p + per)
+            x = self._plain(leaf, p, q)
+            for a, b, u in runs[first:]:
+                if u >= q:
+                    break
+                v, w = max(u, p), min(u + b - a, q)
+                y[a + v - u : a + w - u] = x[v - p : w - p]
+                if u + b - a <= q:
+                    first += 1
+        return y
 
     def close(self) -> None:
         self.file.close()

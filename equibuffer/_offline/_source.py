@@ -16,6 +16,7 @@ the true next observation, and no window reaches into the next episode.
 """
 
 import abc
+import concurrent.futures
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -33,9 +34,10 @@ from .._checks import check_positive_int
 
 MIN_MEMORY = 1 << 20  # the smallest staging bound accepted (bytes)
 DEFAULT_MEMORY = 1 << 30
-# A staged block is held about twice while it is written (as read, then as the chunks
-# encoded from it), so a block takes this fraction of the bound.
-_BLOCK_SHARE = 0.25
+# While a block is written it is held about twice (as read, then as the chunks encoded from
+# it), and the next block is read meanwhile (itself, and one leaf of it as the file holds it):
+# about four blocks at once, so a block takes this fraction of the bound.
+_BLOCK_SHARE = 0.2
 
 
 class SourceError(ValueError):
@@ -133,6 +135,20 @@ def _blocks(start: int, stop: int, size: int) -> Iterator[tuple[int, int]]:
         yield a, min(stop, a + size)
 
 
+def _stream(source: Source, archive: Archive, blocks: list[tuple[int, int]], bar: Any) -> None:
+    """Append the source's `blocks` in order, each read on a thread of its own while the one
+    before is written (the source read by that one thread only, block after block)."""
+    with concurrent.futures.ThreadPoolExecutor(1, "equibuffer-import") as reader:
+        ahead = reader.submit(source.read, *blocks[0]) if blocks else None
+        for i, (a, b) in enumerate(blocks):
+            assert ahead is not None
+            steps = ahead.result()
+            ahead = reader.submit(source.read, *blocks[i + 1]) if i + 1 < len(blocks) else None
+            archive.append(steps)
+            del steps  # (before the next block is waited for: two at most are held)
+            bar.update((b - a) * source.rows)
+
+
 def import_source(source: Source, store: Any, options: ImportOptions) -> Archive:
     """Stream `source` into the archive at `store` (created, or carried on where an earlier
     run of the same import stopped), in blocks of bounded size; returns the archive opened
@@ -171,9 +187,7 @@ def import_source(source: Source, store: Any, options: ImportOptions) -> Archive
             disable=not options.progress,
             leave=False,
         ) as bar:
-            for a, b in _blocks(done, source.steps, size):
-                archive.append(source.read(a, b))
-                bar.update((b - a) * source.rows)
+            _stream(source, archive, list(_blocks(done, source.steps, size)), bar)
     return Archive(
         store,
         cast(Any, schema),

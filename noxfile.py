@@ -74,8 +74,8 @@ def slow(session: nox.Session) -> None:
 def tests_all(session: nox.Session) -> None:
     """The whole test suite on every supported Python, from the source tree; a missing one is
     an error. (CI runs it on 3.11 at the quick budgets, leaving the stateful tests and the
-    docs' examples to `nox -s stateful` and `nox -s docs`, and on 3.12 against the wheel: `nox
-    -s package`; on 3.13, `nox -s tests`. See .ci/run.)"""
+    docs' examples to `nox -s stateful` and `nox -s docs`, and on 3.13 against the wheel: `nox
+    -s package`. See .ci/run.)"""
     run_tests(session)
 
 
@@ -141,7 +141,7 @@ def package(session: nox.Session) -> None:
     installs the wheel with its extras `[s3,testing,orbax,offline]` into a fresh environment
     and runs the tests against it from a copy of the repository without the source
     (`nox -s tests`'s selection; `nox -s package -- tests` runs the whole suite, as CI does on
-    3.12)."""
+    3.13)."""
     run_installed(session, *(session.posargs or QUICK))
 
 
@@ -178,7 +178,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=HERE)
 def typecheck(session: nox.Session) -> None:
     """pyright over the package, against the releases this Python resolves (CI runs it on
-    3.11 and 3.12: the oldest and the newest jax and zarr)."""
+    3.11 and 3.13: the oldest and the newest jax and zarr)."""
     install(session, "typecheck", package=".[s3,testing,orbax,offline]")
     session.run("pyright")
 

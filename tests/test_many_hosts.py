@@ -89,6 +89,11 @@ def _two_processes(script: str, ckpt: str, timeout: float) -> list[str]:
     (from the project's root, so that `tests` imports); their standard outputs, in order,
     once both have exited successfully."""
     port = str(_free_port())
+    # Without the run's persistent compilation cache (tests/conftest.py): with jax 0.12.1 two
+    # processes of one `jax.distributed` run that share it hang (the checks' script ran past
+    # 400 s, where without the cache it ends in 30 s; with jax 0.10 and 0.12.0 it did not).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", PRELUDE + script, str(pid), f"localhost:{port}", ckpt],
@@ -96,6 +101,7 @@ def _two_processes(script: str, ckpt: str, timeout: float) -> list[str]:
             stderr=subprocess.PIPE,
             text=True,
             cwd=ROOT,
+            env=env,
         )
         for pid in (0, 1)
     ]

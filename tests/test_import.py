@@ -388,6 +388,7 @@ def test_minari_hdf5_read_directly(datasets, monkeypatch):
     opened = module._HDF5.episode
     monkeypatch.setattr(source, "block_steps", lambda where, s, memory: 7)
     monkeypatch.setattr(module, "_RAW_BYTES", 0)
+    monkeypatch.setattr(module, "_REOPEN", 2)  # the file opened anew every other episode
     monkeypatch.setattr(  # episodes 2, 5, 8, ... read by Minari
         module._HDF5, "episode", lambda self, k, *a: None if k % 3 == 2 else opened(self, k, *a)
     )

@@ -275,14 +275,10 @@ def from_d4rl(
         assert steps["observation"][0, 3].tolist() == [6.0, 7.0]  # the final observation
         ```
     """
-    source = D4RLSource(path)
-    try:
-        return import_source(
-            source,
-            store,
-            ImportOptions(
-                memory, like, progress, compression, chunk_steps, shard_steps, storage_options
-            ),
-        )
-    finally:
-        source.close()
+    return import_source(
+        D4RLSource(path),
+        store,
+        ImportOptions(
+            memory, like, progress, compression, chunk_steps, shard_steps, storage_options
+        ),
+    )

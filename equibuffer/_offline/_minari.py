@@ -642,14 +642,10 @@ def from_minari(
         assert archive.metadata["dataset_id"] == "toy/random-v0"
         ```
     """
-    source = MinariSource(dataset)
-    try:
-        return import_source(
-            source,
-            store,
-            ImportOptions(
-                memory, like, progress, compression, chunk_steps, shard_steps, storage_options
-            ),
-        )
-    finally:
-        source.close()
+    return import_source(
+        MinariSource(dataset),
+        store,
+        ImportOptions(
+            memory, like, progress, compression, chunk_steps, shard_steps, storage_options
+        ),
+    )

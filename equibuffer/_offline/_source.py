@@ -151,8 +151,15 @@ def _stream(source: Source, archive: Archive, blocks: list[tuple[int, int]], bar
 
 def import_source(source: Source, store: Any, options: ImportOptions) -> Archive:
     """Stream `source` into the archive at `store` (created, or carried on where an earlier
-    run of the same import stopped), in blocks of bounded size; returns the archive opened
-    read-only."""
+    run of the same import stopped), in blocks of bounded size, and close the source; returns
+    the archive opened read-only."""
+    try:
+        return _import(source, store, options)
+    finally:
+        source.close()
+
+
+def _import(source: Source, store: Any, options: ImportOptions) -> Archive:
     where = source.where
     if options.like is not None:
         check_like(where, source.example, options.like)

@@ -395,7 +395,4 @@ def from_vault(
         shard_steps=shard_steps,
         storage_options=storage_options,
     )
-    try:
-        return import_source(source, store, options)
-    finally:
-        source.close()
+    return import_source(source, store, options)

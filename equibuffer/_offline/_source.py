@@ -35,8 +35,8 @@ from .._checks import check_positive_int
 MIN_MEMORY = 1 << 20  # the smallest staging bound accepted (bytes)
 DEFAULT_MEMORY = 1 << 30
 # While a block is written it is held about twice (as read, then as the chunks encoded from
-# it), and the next block is read meanwhile (itself, and one leaf of it as the file holds it):
-# about four blocks at once, so a block takes this fraction of the bound.
+# it), and the next block is read meanwhile (itself, and what the source reads it from): at
+# most about four blocks at once, so a block takes this fraction of the bound.
 _BLOCK_SHARE = 0.2
 
 

@@ -42,7 +42,7 @@ import jax.random as jr
 import pytest
 from hypothesis import settings
 
-from .helpers import QUICK_EXAMPLES, SEQUENCES, STATEFUL_EXAMPLES
+from .helpers import QUICK_EXAMPLES, release_compiled_programs, SEQUENCES, STATEFUL_EXAMPLES
 
 
 # --- One compilation cache for the run's processes -------------------------------------------
@@ -131,6 +131,15 @@ def pytest_addoption(parser):
 
 def pytest_runtest_setup(item):
     item.stash[_BEFORE] = dict(SEQUENCES)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    # A worker that runs hundreds of tests keeps every program they compiled: past a quarter
+    # of the kernel's limit on mapped areas, JAX's caches are cleared (tests/helpers.py).
+    # Between files only: a file's module-scoped jitted functions may count their traces
+    # (tests/test_examples.py).
+    if nextitem is None or nextitem.module is not item.module:
+        release_compiled_programs()
 
 
 @pytest.hookimpl(wrapper=True)

@@ -118,6 +118,36 @@ class CountedMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         count_sequence(type(self).__name__)
+        if sum(SEQUENCES.values()) % 16 == 0:  # one scaled-up test runs thousands of sequences
+            release_compiled_programs()
+
+
+# --- Compiled programs: a long test process drops them before the kernel refuses it memory ----
+
+# Each program XLA compiles for the CPU maps memory for its code (about five areas of the
+# process's address space and 0.4 MB, measured with jax 0.12) and keeps it while JAX's caches
+# hold the program. A test process that compiles (or loads from the persistent cache) some
+# 12,000 programs reaches the kernel's limit on mapped areas (`vm.max_map_count`, 65,530 by
+# default): the next compilation fails inside LLVM and the process aborts ("Fatal Python
+# error: Aborted" in `backend_compile_and_load`; an xdist worker lost near the end of the
+# whole suite at the full budgets). Past a quarter of the limit the caches are cleared: later
+# tests compile again (or load from the persistent cache) what they use.
+_MAPS = pathlib.Path("/proc/self/maps")
+_MAX_MAPS = pathlib.Path("/proc/sys/vm/max_map_count")
+
+
+def release_compiled_programs() -> bool:
+    """Clear JAX's caches (`jax.clear_caches()`) when this process has mapped more than a
+    quarter of the areas the kernel allows it; return whether it did. (Not on Linux: no-op.)"""
+    try:
+        limit = int(_MAX_MAPS.read_text())
+        mapped = _MAPS.read_bytes().count(b"\n")
+    except OSError:
+        return False
+    if mapped <= limit // 4:
+        return False
+    jax.clear_caches()
+    return True
 
 
 def run_on_host_devices(script: str, devices: int, timeout: float, **env: str):

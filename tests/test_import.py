@@ -524,6 +524,80 @@ def test_d4rl_tiny_episodes_any_block(tmp_path, monkeypatch, block, piece):
     assert_identical(got.read(), d4rl_reference(tmp_path / "h.hdf5"))
 
 
+@pytest.mark.parametrize("next_obs", [True, False])
+@pytest.mark.parametrize("chunked", [(), ("rewards",)])
+def test_d4rl_asks_the_kernel_for_the_next_block_ahead(tmp_path, monkeypatch, next_obs, chunked):
+    """Reading block `[a, b)` of an import (blocks in order), the source asks the kernel
+    (`posix_fadvise(WILLNEED)`) for the bytes of every contiguous dataset's source steps up to
+    the end of the next block, `2b - a`, each byte once and none outside the dataset (a chunked
+    dataset is not asked for); the import's result is the same with the read-ahead on or off,
+    and the file it opened for it is closed with the source."""
+    import equibuffer._offline._d4rl as d4rl
+    import equibuffer._offline._source as source
+
+    if not d4rl._ADVISE:
+        pytest.skip("no posix_fadvise on this platform: the source reads without read-ahead")
+    rng = np.random.default_rng(7)
+    n = 300
+    with h5py.File(tmp_path / "h.hdf5", "w") as f:
+        obs = rng.normal(size=(n, 5)).astype(np.float32)
+        f["observations"] = obs
+        if next_obs:
+            f["next_observations"] = obs + 100
+        f["actions"] = rng.integers(0, 5, (n, 2)).astype(np.int64)
+        f.create_dataset("rewards", data=rng.normal(size=n), chunks=(16,) if chunked else None)
+        f["terminals"] = rng.random(n) < 0.05
+        f["timeouts"] = rng.random(n) < 0.02
+    asked: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, o, n, advice: asked.append((o, n, advice)))
+    src = d4rl.D4RLSource(tmp_path / "h.hdf5")
+    with h5py.File(tmp_path / "h.hdf5") as f:
+        extents = {
+            name: (
+                f[name].id.get_offset(),
+                f[name].dtype.itemsize * int(np.prod(f[name].shape[1:])),
+            )
+            for name in d4rl._FIELDS
+            if name not in chunked
+        }
+    assert [o for o, _ in src.spans] == [o for o, _ in extents.values()]
+    # The source step each archive step reads (an episode's final observation: the next
+    # episode's first step), and the end.
+    with h5py.File(tmp_path / "h.hdf5") as f:
+        ends = f["terminals"][()] | f["timeouts"][()]
+    ends[-1] = True
+    if next_obs:
+        episodes = np.split(np.arange(n), np.flatnonzero(ends)[:-1] + 1)
+        source_of = np.concatenate([np.r_[ep, ep[-1] + 1] for ep in episodes] + [[n]])
+    else:
+        source_of = np.arange(n + 1)
+    assert len(source_of) == src.steps + 1
+    size = 37
+    for a in range(0, src.steps, size):
+        b = min(src.steps, a + size)
+        before = src.advised
+        del asked[:]
+        src.read(a, b)
+        upto = int(source_of[min(src.steps, 2 * b - a)])
+        expected = [
+            (offset + before * per, (upto - before) * per, os.POSIX_FADV_WILLNEED)
+            for offset, per in extents.values()
+            if upto > before
+        ]
+        assert sorted(asked) == sorted(expected), (a, b)
+        assert src.advised == max(before, upto)
+    assert src.advised == n
+    fd = src.fd
+    src.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    monkeypatch.setattr(source, "block_steps", lambda where, s, memory: size)
+    on = eb.from_d4rl(tmp_path / "h.hdf5", tmp_path / "on.zarr", progress=False).read()
+    monkeypatch.setattr(d4rl, "_ADVISE", False)
+    off = eb.from_d4rl(tmp_path / "h.hdf5", tmp_path / "off.zarr", progress=False).read()
+    assert_identical(on, off)
+
+
 def test_d4rl_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no D4RL file at .*missing.hdf5"):
         eb.from_d4rl(tmp_path / "missing.hdf5", tmp_path / "a.zarr")

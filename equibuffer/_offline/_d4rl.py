@@ -14,6 +14,8 @@ from ._source import DEFAULT_MEMORY, import_source, ImportOptions, Source, Sourc
 
 
 _PIECE_BYTES = 4 << 20  # a leaf is read in pieces of this size at most (a block is larger)
+# Read-ahead through the kernel (`posix_fadvise`; not on macOS or Windows: reads as they come).
+_ADVISE = hasattr(os, "posix_fadvise")
 _FIELDS = {  # D4RL's name -> the archive's leaf
     "observations": "observation",
     "actions": "action",
@@ -136,6 +138,41 @@ class D4RLSource(Source):
         }
         size = os.path.getsize(path)
         self.identity = {"format": "d4rl", "location": path, "steps": self.steps, "bytes": size}
+        # Where each contiguous (unchunked) dataset's steps lie in the file, for read-ahead.
+        self.spans: list[tuple[int, int]] = []  # (file offset of step 0, bytes a step)
+        for leaf in _FIELDS.values():
+            x = self.data[leaf]
+            offset = x.id.get_offset()  # None: chunked (or not yet written)
+            per = x.dtype.itemsize * int(np.prod(x.shape[1:]))
+            if offset is not None and per:
+                self.spans.append((offset, per))
+        self.fd = os.open(path, os.O_RDONLY) if self.spans and _ADVISE else None
+        self.advised = 0  # source steps [0, advised) already asked of the kernel
+
+    def _source_step(self, step: int) -> int:
+        """The source step that archive step `step` reads (or the next one, for a step that
+        holds an episode's final observation)."""
+        if self.starts is None:
+            return min(step, self.n)
+        k = int(np.searchsorted(self.starts, step, "right")) - 1
+        return min(max(0, step - max(k, 0)), self.n)
+
+    def _read_ahead(self, start: int, stop: int) -> None:
+        """Ask the kernel to read into its page cache, in the background, the source bytes of
+        this block and of the next one as long (the import reads blocks in order): the disk
+        then works while the block is copied and written, where read by pieces, dataset by
+        dataset, it waits for each piece (a 2 GB file of small steps read cold in 1.4 to 1.5 s
+        instead of 3.1 to 3.8 s, benchmarks/README.md). The pages are the kernel's cache, not
+        the import's memory."""
+        if self.fd is None:
+            return
+        a = max(self._source_step(start), self.advised)
+        b = self._source_step(stop + (stop - start))
+        if a >= b:
+            return
+        for offset, per in self.spans:
+            os.posix_fadvise(self.fd, offset + a * per, (b - a) * per, os.POSIX_FADV_WILLNEED)
+        self.advised = b
 
     def _flag(self, leaf: str, a: int, b: int) -> Bool[np.ndarray, " k"]:
         x = np.asarray(self.data[leaf][a:b])
@@ -147,6 +184,7 @@ class D4RLSource(Source):
         return x.astype(bool, copy=False) if leaf in ("terminated", "truncated") else x
 
     def read(self, start: int, stop: int) -> PyTree[np.ndarray]:
+        self._read_ahead(start, stop)
         if self.starts is None:  # archive step j is source step j
             out = {leaf: self._plain(leaf, start, stop) for leaf in _FIELDS.values()}
             ends = np.zeros(stop - start, bool)
@@ -205,6 +243,9 @@ class D4RLSource(Source):
         return y
 
     def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
         self.file.close()
 
 

@@ -129,11 +129,12 @@ class CountedMachine(RuleBasedStateMachine):
 # functions took a process from 492 to 16,116 mapped areas and from 223 to 1,142 MB) and keeps
 # it while JAX's caches hold the program. Twice a worker running the whole suite at the full
 # budgets aborted inside a compilation near its end ("Fatal Python error: Aborted" in
-# `backend_compile_and_load`: CI on 3.13 and a run on 3.12); the cause is not proven (memory,
-# or the kernel's limit on mapped areas, `vm.max_map_count`, 65,530 by default: 20,000 tiny
-# programs in one process stopped growing at 25,056 areas, so the limit is not reached that
-# simply). Past a quarter of that limit the caches are cleared, which bounds both: later tests
-# compile again (or load from the persistent cache) what they use.
+# `backend_compile_and_load`: CI on 3.13 and a run on 3.12). Run so without the clearing
+# below (3.12, two workers), one worker reached 65,221 mapped areas, 309 below the kernel's
+# limit (`vm.max_map_count`, 65,530 by default), and 4.3 GB: the likely cause, though that
+# run passed. Past a quarter of the limit the caches are cleared (a worker then peaked at
+# 22,322 areas and 2.4 GB): later tests compile again (or load from the persistent cache)
+# what they use.
 _MAPS = pathlib.Path("/proc/self/maps")
 _MAX_MAPS = pathlib.Path("/proc/sys/vm/max_map_count")
 

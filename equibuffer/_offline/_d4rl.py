@@ -146,7 +146,8 @@ class D4RLSource(Source):
             per = x.dtype.itemsize * int(np.prod(x.shape[1:]))
             if offset is not None and per:
                 self.spans.append((offset, per))
-        self.fd = os.open(path, os.O_RDONLY) if self.spans and _ADVISE else None
+        # The descriptor HDF5 reads through (its default driver's), closed with the file.
+        self.fd = self.file.id.get_vfd_handle() if self.spans and _ADVISE else None
         self.advised = 0  # source steps [0, advised) already asked of the kernel
 
     def _source_step(self, step: int) -> int:
@@ -243,9 +244,7 @@ class D4RLSource(Source):
         return y
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        self.fd = None
         self.file.close()
 
 

@@ -9,9 +9,11 @@ held before the phase (`/proc/self/status` VmHWM, reset through `/proc/self/clea
   page cache is dropped before each read where this process may: `drop_caches` says);
 - `save`: the state built (its buffer filled by donated adds), then saved: the time `save`
   blocks (the arrays copied off the devices), the time until the write is committed, and the
-  peak memory above the state (orbax's staging);
-- `restore`: the newest step restored into `eqx.filter_eval_shape`'s template: the time, and
-  the peak memory above the restored state;
+  peak memory above the state (orbax's staging); once with orbax's default chunks and once
+  for each other `--chunk-mib` (`ocp.SaveArgs(chunk_byte_size=...)` for every array, as
+  docs/checkpoints.md advises for large buffers);
+- `restore`: after each save, that step restored into `eqx.filter_eval_shape`'s template:
+  the time, and the peak memory above the restored state;
 - `train`: a donated training step (add, sample, a stand-in learner) run `--steps` times on a
   state of `--train-gb` GB, without saving and with an async save every `--every` steps: the
   learner's time lost to the saves, as a fraction of its step time.
@@ -105,25 +107,31 @@ if phase == "disk":
     os.remove(path)
 elif phase == "save":
     import orbax.checkpoint as ocp
+    chunk = int(sys.argv[4])  # chunk_byte_size; 0: orbax's default
     state = filled()
+    arrays = eqx.filter(state, eqx.is_array)
+    save_args = None
+    if chunk:
+        save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=chunk), arrays)
     before = rss("VmRSS")
     reset_peak()
-    with ocp.CheckpointManager(os.path.join(directory, "ckpt")) as manager:
+    with ocp.CheckpointManager(os.path.join(directory, f"ckpt{chunk}")) as manager:
         t0 = time.perf_counter()
-        manager.save(1, args=ocp.args.StandardSave(eqx.filter(state, eqx.is_array)))
+        manager.save(1, args=ocp.args.StandardSave(arrays, save_args=save_args))
         out["blocking"] = time.perf_counter() - t0
         manager.wait_until_finished()
         out["save"] = time.perf_counter() - t0
     out["peak_above_state"] = rss("VmHWM") - before
 elif phase == "restore":
     import orbax.checkpoint as ocp
+    chunk = int(sys.argv[4])
     out["drop_caches"] = drop_caches()
     template = eqx.filter_eval_shape(make)
     arrays, static = eqx.partition(template, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     before = rss("VmRSS")
     reset_peak()
     t0 = time.perf_counter()
-    with ocp.CheckpointManager(os.path.join(directory, "ckpt")) as manager:
+    with ocp.CheckpointManager(os.path.join(directory, f"ckpt{chunk}")) as manager:
         restored = manager.restore(1, args=ocp.args.StandardRestore(arrays))
     jax.block_until_ready(restored)
     out["restore"] = time.perf_counter() - t0
@@ -189,20 +197,29 @@ def main() -> None:
     parser.add_argument("--train-gb", type=float, default=1.0, help="GB of the trained state")
     parser.add_argument("--steps", type=int, default=200, help="training steps per timing")
     parser.add_argument("--every", type=int, default=50, help="steps between async saves")
+    parser.add_argument(
+        "--chunk-mib",
+        default="0,64",
+        help="the saves' chunk_byte_size in MiB, each saved and restored (0: orbax's default)",
+    )
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", default=None, help="write the figures to this file")
     args = parser.parse_args()
     if args.quick:
         args.gb, args.train_gb, args.steps, args.every = 0.25, 0.1, 40, 10
+    chunks = [int(c) << 20 for c in args.chunk_mib.split(",")]
     directory = tempfile.mkdtemp(dir=args.dir)
+    saves, restores = {}, {}
     try:
         disk = _run("disk", directory, args.gb)
-        save = _run("save", directory, args.gb)
-        restore = _run("restore", directory, args.gb)
+        for chunk in chunks:
+            saves[chunk] = _run("save", directory, args.gb, chunk)
+            restores[chunk] = _run("restore", directory, args.gb, chunk)
+            shutil.rmtree(os.path.join(directory, f"ckpt{chunk}"), ignore_errors=True)
         train = _run("train", directory, args.train_gb, args.steps, args.every)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    gb = save["bytes"] / 1e9
+    gb = disk["bytes"] / 1e9
 
     def rate(seconds: float) -> str:
         return f"{fmt_time(seconds)} ({gb / seconds:.2f} GB/s)"
@@ -211,32 +228,38 @@ def main() -> None:
         {"what": "disk write (no fsync)", "time": rate(disk["write"]), "against disk": ""},
         {"what": "disk write + fsync", "time": rate(disk["write_fsync"]), "against disk": ""},
         {"what": "disk read", "time": rate(disk["read"]), "against disk": ""},
-        {
-            "what": "orbax save (committed)",
-            "time": rate(save["save"]),
-            "against disk": f"{disk['write'] / save['save']:.2f}x write, "
-            f"{disk['write_fsync'] / save['save']:.2f}x write+fsync",
-        },
-        {
-            "what": "orbax save: blocking part",
-            "time": fmt_time(save["blocking"]),
-            "against disk": "",
-        },
-        {
-            "what": "orbax restore",
-            "time": rate(restore["restore"]),
-            "against disk": f"{disk['read'] / restore['restore']:.2f}x read",
-        },
     ]
+    for chunk in chunks:
+        save, restore = saves[chunk], restores[chunk]
+        how = f"chunk_byte_size={chunk >> 20} MiB" if chunk else "orbax's default chunks"
+        rows += [
+            {
+                "what": f"orbax save (committed), {how}",
+                "time": rate(save["save"]),
+                "against disk": f"{disk['write'] / save['save']:.2f}x write, "
+                f"{disk['write_fsync'] / save['save']:.2f}x write+fsync",
+                "peak above the state": f"{save['peak_above_state'] / 1e9:.2f} GB",
+            },
+            {
+                "what": f"orbax save: blocking part, {how}",
+                "time": fmt_time(save["blocking"]),
+                "against disk": "",
+                "peak above the state": "",
+            },
+            {
+                "what": f"orbax restore, {how}",
+                "time": rate(restore["restore"]),
+                "against disk": f"{disk['read'] / restore['restore']:.2f}x read",
+                "peak above the state": f"{restore['peak_above_state'] / 1e9:.2f} GB",
+            },
+        ]
+    for row in rows[:3]:
+        row["peak above the state"] = ""
     print(
         f"A train state of {gb:.2f} GB of stored steps (page cache dropped before reads: "
-        f"{disk['drop_caches'] and restore['drop_caches']}):"
+        f"{disk['drop_caches'] and all(r['drop_caches'] for r in restores.values())}):"
     )
     print(table(rows))
-    print(
-        f"Peak memory above the state: save {save['peak_above_state'] / 1e9:.2f} GB, "
-        f"restore {restore['peak_above_state'] / 1e9:.2f} GB (the state: {gb:.2f} GB)."
-    )
     lost = train["step_saving"] / train["step_plain"] - 1
     print(
         f"Training on {train['bytes'] / 1e9:.2f} GB, an async save every {args.every} steps: "
@@ -252,8 +275,8 @@ def main() -> None:
                 {
                     "args": vars(args),
                     "disk": disk,
-                    "save": save,
-                    "restore": restore,
+                    "save": {str(c): saves[c] for c in chunks},
+                    "restore": {str(c): restores[c] for c in chunks},
                     "train": train,
                 },
                 f,

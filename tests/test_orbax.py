@@ -79,6 +79,42 @@ def test_a_recorded_failure_is_saved_with_the_buffer(tmp_path):
             q.sample()  # any eager method call raises it first
 
 
+def test_a_large_buffer_is_saved_in_chunks_of_the_size_asked(tmp_path):
+    """docs/checkpoints.md's save of a large buffer: `ocp.SaveArgs(chunk_byte_size=...)` for
+    every array. orbax stores each array in chunks of at most that many bytes (what its
+    writes stage at a time: measured in benchmarks/bench_checkpoint.py), and the state
+    restores bit for bit."""
+    make = lambda: {  # noqa: E731
+        "buffer": eb.TrajectoryBuffer(
+            {"obs": jnp.zeros(64), "done": jnp.bool_(False)},
+            add_batch_size=8,
+            max_length_time_axis=4096,
+            sequence_length=2,
+        ),
+        "step": jnp.int32(0),
+    }
+    state = make()
+    obs = jax.random.normal(jax.random.key(0), (8, 4096, 64))
+    state["buffer"] = state["buffer"].add({"obs": obs, "done": obs[..., 0] > 1})
+    arrays = eqx.filter(state, eqx.is_array)
+    chunk = 1 << 20  # 1 MiB; the observations are 8 MiB
+    save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=chunk), arrays)
+    with ocp.CheckpointManager(tmp_path) as manager:
+        manager.save(1, args=ocp.args.StandardSave(arrays, save_args=save_args))
+        manager.wait_until_finished()
+        stored = manager.item_metadata(1).tree
+    metas = jax.tree.leaves(stored, is_leaf=lambda x: hasattr(x, "storage"))
+    (stored_obs,) = [m for m in metas if tuple(m.shape) == (8, 4096, 64)]
+    # The 8 MiB of observations in at least 8 chunks.
+    assert np.prod(stored_obs.storage.write_shape) >= 8 * np.prod(stored_obs.storage.chunk_shape)
+    for meta in metas:
+        itemsize = np.dtype(meta.dtype).itemsize
+        assert np.prod(meta.storage.chunk_shape, dtype=int) * itemsize <= chunk, meta.name
+    restored = _restore(tmp_path, eqx.filter_eval_shape(make))
+    for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 @pytest.mark.slow  # starts processes: `nox -s slow`, and CI
 @pytest.mark.parametrize("devices", [1, 8])
 def test_a_run_resumed_in_a_new_process_gives_the_same_samples(tmp_path, devices):

@@ -35,7 +35,6 @@ from zarr.core.sync import sync
 
 import equibuffer as eb
 from equibuffer._archive import (
-    _format,
     Archive,
     ArchiveLockedError,
     ring_holding,
@@ -56,41 +55,21 @@ class Location:
     shard_steps: int | None = None
     rounds: int = 8  # writes in the loops of the longer tests (fewer on S3: slow requests)
 
-    chunk_steps: int | None = 4
-
     def open(self, like: Any = None, **kwargs: Any) -> Archive:
         kwargs.setdefault("progress", False)
-        kwargs.setdefault("chunk_steps", self.chunk_steps)
+        kwargs.setdefault("chunk_steps", 4)
         kwargs.setdefault("shard_steps", self.shard_steps)
         return Archive(self.store, like, storage_options=self.options, **kwargs)
 
 
-def small_leaf_chunks(monkeypatch) -> None:
-    """The archive's own choice of chunks, scaled down to the tests' steps: chunks of 64 bytes
-    for the widest leaf (4 steps of `obs`) and up to 16 bytes for the others (8 steps of the
-    2-byte `flag`)."""
-    monkeypatch.setattr(_format, "CHUNK_BYTES", 64)
-    monkeypatch.setattr(_format, "LEAF_CHUNK_BYTES", 16)
-
-
-def leaf_chunks(path: Any) -> dict[str, int]:
-    """Steps per chunk of each leaf array, as zarr reads them."""
-    group = zarr.open_group(str(path), mode="r")
-    return {name: int(array.chunks[1]) for name, array in group.arrays()}
-
-
-@pytest.fixture(params=["dir", "memory", "unsharded", "zarr-path", "leaf-chunks"])
+@pytest.fixture(params=["dir", "memory", "unsharded", "zarr-path"])
 def location(request, tmp_path, monkeypatch) -> Location:
     """A directory with the default shards (one shard), a memory store with shards of 8 steps
-    (many shards, 2 chunks each), a directory with one object per chunk (no shards), a
+    (many shards, 2 chunks each), a directory with one object per chunk (no shards), or a
     directory with shards of 8 steps read and written through zarr's own path (the reference
-    the archive's own chunk and shard I/O is tested against), or a directory with shards of 16
-    steps and chunks the archive sizes per leaf (4 steps of `obs`, 8 of `flag`)."""
+    the archive's own chunk and shard I/O is tested against)."""
     if request.param == "dir":
         return Location(str(tmp_path / "run.zarr"))
-    if request.param == "leaf-chunks":
-        small_leaf_chunks(monkeypatch)
-        return Location(str(tmp_path / "run.zarr"), shard_steps=16, chunk_steps=None)
     if request.param == "unsharded":
         return Location(str(tmp_path / "run.zarr"), shard_steps=0)
     if request.param == "zarr-path":
@@ -527,82 +506,10 @@ def test_compression_and_chunk_options(tmp_path):
         Archive(str(tmp_path / "bad2"), big, compression="gzip")  # type: ignore[arg-type]
 
 
-def test_narrower_leaves_hold_more_steps_per_chunk(tmp_path):
-    """By default the widest leaf's chunks hold about 128 KiB and each narrower leaf's more
-    steps, up to 16 KiB, a power of two times the widest's that divides the shard; with
-    `chunk_steps=` given, every leaf has that many. Either way the steps read back."""
-    step = {
-        "obs": np.zeros(17, np.float32),  # 68 bytes: 1,024 steps
-        "action": np.zeros(6, np.float32),  # 24 bytes: 1,024 (2,048 would be 48 KiB)
-        "reward": np.float32(0),  # 4 bytes: 4,096
-        "done": np.bool_(False),  # 1 byte: 16,384 (also the most steps a chunk holds)
-    }
-    rng = np.random.default_rng(0)
-    n = 40_000
-    steps = {
-        "obs": rng.standard_normal((2, n, 17), np.float32),
-        "action": rng.standard_normal((2, n, 6), np.float32),
-        "reward": rng.standard_normal((2, n), np.float32),
-        "done": rng.random((2, n)) < 0.01,
-    }
-    like = eb.ItemBuffer(jax.tree.map(jnp.asarray, step), add_batch_size=2, capacity=4)
-    cases = {
-        "default": ({}, {"obs": 1024, "action": 1024, "reward": 4096, "done": 16384}),
-        "small shards": (
-            {"shard_steps": 8192},
-            {"obs": 1024, "action": 1024, "reward": 4096, "done": 8192},
-        ),
-        "unsharded": (
-            {"shard_steps": 0},
-            {"obs": 1024, "action": 1024, "reward": 4096, "done": 16384},
-        ),
-        "given": ({"chunk_steps": 512}, dict.fromkeys(step, 512)),
-    }
-    for name, (kwargs, want) in cases.items():
-        path = tmp_path / name
-        with Archive(str(path), like, progress=False, **kwargs) as archive:
-            archive.append(steps)
-            assert archive.chunk_steps == want["obs"]
-        assert leaf_chunks(path) == want, name
-        archive = Archive(str(path), mode="r", progress=False)
-        assert_tree_equal(archive.read(), steps)
-        sample = archive.sample(0, 64, sequence_length=3)
-        rows, starts = sample.rows, sample.starts
-        for k, v in steps.items():
-            want_windows = np.stack([v[r, a : a + 3] for r, a in zip(rows, starts, strict=True)])
-            np.testing.assert_array_equal(sample.experience[k], want_windows)
-
-
-def test_archives_of_format_version_1_are_read_and_written(tmp_path):
-    """An archive written before chunks were sized per leaf (format version 1: every leaf's
-    chunks `chunk_steps`, no per-leaf record) is read, sampled and appended to as before."""
-    path = tmp_path / "old.zarr"
-    buffer = add(new_buffer(), 10)
-    with Archive(str(path), buffer, chunk_steps=4, shard_steps=8, progress=False) as archive:
-        archive.write(buffer)
-    record = json.loads((path / "zarr.json").read_text())
-    meta = record["attributes"]["equibuffer"]
-    assert meta["format_version"] == 2 and meta["leaf_chunk_steps"] == [4, 4]
-    meta["format_version"] = 1
-    del meta["leaf_chunk_steps"]
-    (path / "zarr.json").write_text(json.dumps(record))
-    buffer = add(buffer, 13)
-    with Archive(str(path), buffer, progress=False) as archive:
-        assert archive._reader.io is not None  # the archive's own I/O, not zarr's path
-        assert archive.write(buffer) == 13
-        assert_tree_equal(archive.read(), expected(0, 23))
-        sample = archive.sample(0, 16, sequence_length=2)
-        for i, (r, a) in enumerate(zip(sample.rows, sample.starts, strict=True)):
-            np.testing.assert_array_equal(
-                sample.experience["obs"][i], expected(0, 23)["obs"][r, a : a + 2]
-            )
-
-
-@pytest.mark.parametrize("chunks", [4, "per-leaf"])
 @pytest.mark.parametrize("shard_steps", [None, 8, 0], ids=["one-shard", "shards", "unsharded"])
 @pytest.mark.parametrize("compression", ["zstd", "none"])
 def test_a_writer_continues_its_partial_chunks_as_a_reopened_one_reads_them(
-    tmp_path, monkeypatch, shard_steps, compression, chunks
+    tmp_path, shard_steps, compression
 ):
     """Writes of a few steps: a writer keeps the partly filled chunks (and shard) its last write
     ended with and continues from them; a writer reopened before every write reads them back.
@@ -610,12 +517,7 @@ def test_a_writer_continues_its_partial_chunks_as_a_reopened_one_reads_them(
     its own copy: a view of the ring would keep the ring's arrays alive, and every donated
     add would then copy the whole ring instead of writing in place."""
     add_in_place = eqx.filter_jit(lambda b, batch: b.add(batch), donate="all")
-    if chunks == "per-leaf":
-        small_leaf_chunks(monkeypatch)
-    chunk_steps = 4 if chunks == 4 else None
-    opts = dict(
-        chunk_steps=chunk_steps, shard_steps=shard_steps, compression=compression, progress=False
-    )
+    opts = dict(chunk_steps=4, shard_steps=shard_steps, compression=compression, progress=False)
     kept_path, reopened_path = tmp_path / "kept", tmp_path / "reopened"
     buffer = new_buffer()
     kept = Archive(str(kept_path), buffer, **opts)
@@ -632,7 +534,6 @@ def test_a_writer_continues_its_partial_chunks_as_a_reopened_one_reads_them(
         with Archive(str(reopened_path), buffer, **opts) as reopened:
             assert reopened.write(buffer) == n
     kept.close()
-    assert leaf_chunks(kept_path) == {"obs": 4, "flag": 4 if chunks == 4 else 8}
     assert_tree_equal(Archive(str(kept_path), mode="r").read(), expected(0, total))
     files = sorted(p.relative_to(reopened_path) for p in reopened_path.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(kept_path) for p in kept_path.rglob("*") if p.is_file())
@@ -846,23 +747,16 @@ def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
-@pytest.mark.parametrize("chunks", [4, "per-leaf"])
 @pytest.mark.parametrize("shard_steps", [None, 8, 0], ids=["one-shard", "shards", "unsharded"])
 @pytest.mark.parametrize("compression", ["zstd", "lz4", "none"])
 def test_the_archives_own_io_writes_what_zarrs_own_path_writes(
-    tmp_path, monkeypatch, shard_steps, compression, chunks
+    tmp_path, monkeypatch, shard_steps, compression
 ):
     """The same writes (partial chunks and shards continued by the writer, then by a reopened
     one) through the archive's own chunk and shard I/O and through zarr's own array API
     (`resize`, assignment, `update_attributes`): the same objects, byte for byte (the
-    metadata documents: the same JSON), with every leaf in chunks of 4 steps or with chunks
-    the archive sizes per leaf (4 steps of `obs`, 8 of `flag`)."""
-    if chunks == "per-leaf":
-        small_leaf_chunks(monkeypatch)
-    chunk_steps = 4 if chunks == 4 else None
-    opts = dict(
-        chunk_steps=chunk_steps, shard_steps=shard_steps, compression=compression, progress=False
-    )
+    metadata documents: the same JSON)."""
+    opts = dict(chunk_steps=4, shard_steps=shard_steps, compression=compression, progress=False)
     paths = {True: tmp_path / "own", False: tmp_path / "zarr"}
     buffer = new_buffer()
     archives = {}
@@ -880,8 +774,6 @@ def test_the_archives_own_io_writes_what_zarrs_own_path_writes(
             assert archives[direct].write(buffer) == n
     for archive in archives.values():
         archive.close()
-    for path in paths.values():
-        assert leaf_chunks(path) == {"obs": 4, "flag": 4 if chunks == 4 else 8}
     own, reference = _files(paths[True]), _files(paths[False])
     assert sorted(own) == sorted(reference) and len(own) > 4
     for key in own:

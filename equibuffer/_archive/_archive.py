@@ -75,11 +75,9 @@ class Archive(ArchiveWrites, ArchiveReads):
     - `compression`: `"zstd"` (level 1, the default: the best ratio at a speed above the
         disk's, measured in `benchmarks/bench_archive.py`), `"lz4"` (blosc, faster, lower
         ratio) or `"none"`. Only used when creating.
-    - `chunk_steps`: time steps per chunk (one row) of every leaf. By default the widest
-        leaf's chunks hold about 128 KiB, in a power of two (small, for random windows; the
-        chunks of a call are processed concurrently, so large reads and writes stay fast),
-        and a narrower leaf's hold more steps, up to 16 KiB (its chunks otherwise a few
-        bytes each, every one a write and a read of its own). Only used when creating.
+    - `chunk_steps`: time steps per chunk (one row); by default about 128 KiB, in a power
+        of two (small, for random windows; the chunks of a call are processed
+        concurrently, so large reads and writes stay fast). Only used when creating.
     - `shard_steps`: time steps per shard: chunks are packed into zarr shards
         `(rows, shard_steps)`, one object each. None (the default) picks about 16 MiB
         of raw data per shard (a power of two times `chunk_steps`): few large objects
@@ -435,9 +433,7 @@ class Archive(ArchiveWrites, ArchiveReads):
 
     @property
     def chunk_steps(self) -> int:
-        """Time steps per chunk (of one row) of the widest leaf; a narrower leaf's chunks
-        hold this many or, when the archive chose them, a power of two times more (see
-        `chunk_steps` in `Archive`).
+        """Time steps per chunk (of one row).
 
         !!! example
 

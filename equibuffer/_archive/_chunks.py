@@ -231,31 +231,27 @@ class Shards(LeafIO):
         self.objects.put(self.shard_key(shard), parts)
 
 
-def direct_io(
-    array: Any, leaf: Leaf, layout: Layout, objects: Objects, chunk_steps: int
-) -> LeafIO | None:
-    """The archive's own I/O of a leaf's array of chunks of `chunk_steps` (`Shards` when
-    sharded), or None when the array's codecs or chunks are not the ones its layout describes
-    (changed by another tool: zarr's own path reads and writes it then)."""
+def direct_io(array: Any, leaf: Leaf, layout: Layout, objects: Objects) -> LeafIO | None:
+    """The archive's own I/O of a leaf's array (`Shards` when sharded), or None when the
+    array's codecs or chunks are not the ones its layout describes (changed by another tool:
+    zarr's own path reads and writes it then)."""
     how = direct_codecs(array)
     if how is None:
         return None
     codec, sharding = how
     if sharding is None and layout.shard_steps is None:
-        if tuple(array.chunks) != (1, chunk_steps, *leaf.shape):
-            return None
-        return Chunks(objects, leaf, chunk_steps, codec, separator(array))
+        return Chunks(objects, leaf, layout.chunk_steps, codec, separator(array))
     if (
         sharding is not None
         and layout.shard_steps is not None
-        and tuple(sharding.chunk_shape) == (1, chunk_steps, *leaf.shape)
+        and tuple(sharding.chunk_shape) == (1, layout.chunk_steps, *leaf.shape)
         and tuple(array.shards or ()) == (layout.rows, layout.shard_steps, *leaf.shape)
     ):
         return Shards(
             objects,
             leaf,
             layout.rows,
-            chunk_steps,
+            layout.chunk_steps,
             layout.shard_steps,
             codec,
             separator(array),

@@ -28,7 +28,7 @@ from .._ratelimit import RateLimited
 from .._ring import RingStorage
 
 
-FORMAT_VERSION = 2  # 2: chunks sized per leaf (`leaf_chunk_steps`); 1 is read as well
+FORMAT_VERSION = 1
 ATTR = "equibuffer"  # the root group's attribute holding the archive's records
 TWO_32 = 1 << 32
 INT64_MAX = (1 << 63) - 1
@@ -36,12 +36,6 @@ CHUNK_BYTES = 1 << 17  # target uncompressed bytes of one chunk (one row)
 SHARD_BYTES = 16 << 20  # target uncompressed bytes of one shard (all rows)
 BLOCK_BYTES = 32 << 20  # target uncompressed bytes of one read block (all rows)
 MAX_CHUNK_STEPS = 1 << 14
-# A leaf narrower than the widest holds more steps per chunk, up to this many bytes (and
-# `MAX_CHUNK_STEPS`, and its shard): a write encodes and places one chunk at a time, so a flag
-# or a reward in chunks of the widest leaf's steps (1 KiB: 1,024 steps of a 99-byte step)
-# costs a chunk's fixed price for a few bytes, while a random window reads a whole chunk of
-# every leaf, so a chunk much larger than the widest leaf's would cost the sampler.
-LEAF_CHUNK_BYTES = 1 << 14
 
 Compression = Literal["zstd", "lz4", "none"]
 OnLost = Literal["raise", "warn"]
@@ -268,9 +262,8 @@ def pow2_floor(x: float) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How an archive is cut: its rows and leaves, time steps per chunk (of the widest leaf:
-    `chunk_steps`; of each leaf: `leaf_chunks`, multiples of it) and per shard (None: one
-    object per chunk), and the steps per block of a long read."""
+    """How an archive is cut: its rows and leaves, time steps per chunk and per shard (None:
+    one object per chunk), and the steps per block of a long read."""
 
     rows: int
     leaves: tuple[Leaf, ...]
@@ -278,7 +271,6 @@ class Layout:
     shard_steps: int | None
     compression: str
     block_steps: int
-    leaf_chunks: tuple[int, ...]
 
     @classmethod
     def from_meta(cls, meta: dict, location: str) -> "Layout":
@@ -296,13 +288,7 @@ class Layout:
         # Steps per block of a long read or an iteration: about 32 MiB, whole shards.
         unit = shard_steps or chunk_steps
         block_steps = unit * pow2_floor(BLOCK_BYTES / (rows * unit * step_bytes))
-        # (archives written before chunks were sized per leaf: every leaf's is `chunk_steps`)
-        leaf_chunks = tuple(
-            int(c) for c in meta.get("leaf_chunk_steps", [chunk_steps] * len(leaves))
-        )
-        return cls(
-            rows, leaves, chunk_steps, shard_steps, meta["compression"], block_steps, leaf_chunks
-        )
+        return cls(rows, leaves, chunk_steps, shard_steps, meta["compression"], block_steps)
 
 
 def create(
@@ -320,7 +306,6 @@ def create(
     leaves, _ = schema_of(storage)
     rows = storage.rows
     step_bytes = max(leaf.step_bytes for leaf in leaves)
-    chosen = chunk_steps is None
     if chunk_steps is None:
         chunk_steps = min(MAX_CHUNK_STEPS, pow2_floor(CHUNK_BYTES / step_bytes))
     chunk_steps = check_positive_int(where, "chunk_steps", chunk_steps)
@@ -334,18 +319,13 @@ def create(
         raise ValueError(
             f"{where}: shard_steps={shard_steps} must be a multiple of chunk_steps={chunk_steps}."
         )
-    leaf_chunks = [
-        leaf_chunk_steps(leaf, chunk_steps, shard_steps) if chosen else chunk_steps
-        for leaf in leaves
-    ]
     group = zarr.open_group(store, mode="a", zarr_format=3)
-    for leaf, steps in zip(leaves, leaf_chunks, strict=True):
-        create_leaf_array(group, leaf, rows, steps, shard_steps, codec)
+    for leaf in leaves:
+        create_leaf_array(group, leaf, rows, chunk_steps, shard_steps, codec)
     meta = {
         "format_version": FORMAT_VERSION,
         "rows": rows,
         "chunk_steps": chunk_steps,
-        "leaf_chunk_steps": leaf_chunks,
         "shard_steps": shard_steps,
         "compression": compression,
         "leaves": [leaf.as_json() for leaf in leaves],
@@ -355,20 +335,6 @@ def create(
         meta["metadata"] = metadata
     group.update_attributes({ATTR: meta})
     return meta
-
-
-def leaf_chunk_steps(leaf: Leaf, chunk_steps: int, shard_steps: int | None) -> int:
-    """Steps per chunk of `leaf` when the archive chooses them: `chunk_steps` (the widest
-    leaf's) doubled while the chunk stays within `LEAF_CHUNK_BYTES` and `MAX_CHUNK_STEPS`
-    and divides the shard."""
-    steps = chunk_steps
-    while (
-        2 * steps <= MAX_CHUNK_STEPS
-        and 2 * steps * leaf.step_bytes <= LEAF_CHUNK_BYTES
-        and (shard_steps is None or shard_steps % (2 * steps) == 0)
-    ):
-        steps *= 2
-    return steps
 
 
 def create_leaf_array(

@@ -147,8 +147,8 @@ class Reader:
             for leaf in self.layout.leaves
         }
         io = [
-            direct_io(self.arrays[leaf.name], leaf, self.layout, self.objects, steps)
-            for leaf, steps in zip(self.layout.leaves, self.layout.leaf_chunks, strict=True)
+            direct_io(self.arrays[leaf.name], leaf, self.layout, self.objects)
+            for leaf in self.layout.leaves
         ]
         self.io: list[LeafIO] | None = None
         if self.direct and all(x is not None for x in io):
@@ -251,16 +251,16 @@ class Reader:
         self, io: list[LeafIO], start: int, stop: int, row_ids: list[int], outs: list
     ) -> None:
         """Unsharded: get and decode every touched chunk concurrently, straight into place."""
+        cs = self.layout.chunk_steps
         tasks = [
             (chunks, out, i, r, c)
             for chunks, out in zip(io, outs, strict=True)
             for i, r in enumerate(row_ids)
-            for c in range(start // chunks.shape[0], -(-stop // chunks.shape[0]))
+            for c in range(start // cs, -(-stop // cs))
         ]
 
         def get(task: tuple[Chunks, np.ndarray, int, int, int]) -> None:
             chunks, out, i, r, c = task
-            cs = chunks.shape[0]
             a, b = max(start, c * cs), min(stop, (c + 1) * cs)
             data = chunks.data(r, c)
             chunks.decode_into(data, out[i, a - start : b - start], a - c * cs)
@@ -283,7 +283,8 @@ class Reader:
         shards_of: list[Any] = io
         layout = self.layout
         assert layout.shard_steps is not None
-        ss = layout.shard_steps
+        cs, ss = layout.chunk_steps, layout.shard_steps
+        per = ss // cs
         n = self.commit.length
         whole = whole and len(row_ids) == layout.rows
         lock = threading.Lock()
@@ -314,7 +315,6 @@ class Reader:
             li, s, i, r = task
             shards: Shards = shards_of[li]
             out = outs[li]
-            cs, per = shards.shape[0], shards.per_shard
             cs0, cs1 = max(s * per, start // cs), min((s + 1) * per, -(-stop // cs))
             which = [(r, c - s * per) for c in range(cs0, cs1)]
             if whole:

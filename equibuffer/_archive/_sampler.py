@@ -2,8 +2,6 @@
 window lies inside one contiguous segment of the committed steps, each touched chunk read
 once; and the samples as JAX arrays (`as_jax`)."""
 
-import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -128,30 +126,22 @@ def gather(reader: Reader, rows: np.ndarray, starts: np.ndarray, seq: int) -> An
     layout = reader.layout
     if reader.io is None:
         return reader.unflatten(_gather_zarr(reader, rows, starts, seq))
+    cs = layout.chunk_steps
     steps = starts[:, None] + np.arange(seq)
-    # The leaves of one chunk size together (the chunks a window touches are the same for
-    # them); every chunk of every leaf decoded in one concurrent pass.
-    tasks: list[Callable[[], None]] = []
-    groups = []
-    for cs in sorted(set(layout.leaf_chunks)):
-        group = [li for li, c in enumerate(layout.leaf_chunks) if c == cs]
-        io = [reader.io[li] for li in group]
-        per_row = -(-reader.commit.length // cs)
-        ids = (rows[:, None] * per_row + steps // cs).ravel()
-        needed, which = np.unique(ids, return_inverse=True)
-        row_of, chunk_of = np.divmod(needed, per_row)
-        stacks = [np.empty((len(needed), *c.shape), c.dtype) for c in io]
-        if layout.shard_steps is None:
-            tasks += _chunk_tasks(io, row_of, chunk_of, stacks)
-        else:
-            tasks += _shard_tasks(reader, io, row_of, chunk_of, stacks)
-        groups.append((group, stacks, which.reshape(steps.shape), steps % cs))
-    for _ in run_all(lambda task: task(), tasks):
-        pass
-    out: list[Any] = [None] * len(layout.leaves)
-    for group, stacks, which, offsets in groups:
-        for li, stack in zip(group, stacks, strict=True):
-            out[li] = stack[which, offsets].view(np.dtype(layout.leaves[li].stored))
+    per_row = -(-reader.commit.length // cs)
+    ids = (rows[:, None] * per_row + steps // cs).ravel()
+    needed, which = np.unique(ids, return_inverse=True)
+    row_of, chunk_of = np.divmod(needed, per_row)
+    stacks = [np.empty((len(needed), *c.shape), c.dtype) for c in reader.io]
+    if layout.shard_steps is None:
+        _decode_chunks(reader.io, row_of, chunk_of, stacks)
+    else:
+        _decode_shards(reader, reader.io, row_of, chunk_of, stacks)
+    which, offsets = which.reshape(steps.shape), steps % cs
+    out = [
+        stack[which, offsets].view(np.dtype(leaf.stored))
+        for stack, leaf in zip(stacks, layout.leaves, strict=True)
+    ]
     return reader.unflatten(out)
 
 
@@ -167,40 +157,41 @@ def _gather_zarr(reader: Reader, rows: np.ndarray, starts: np.ndarray, seq: int)
     return out
 
 
-def _chunk_tasks(
+def _decode_chunks(
     io: list[LeafIO], row_of: np.ndarray, chunk_of: np.ndarray, stacks: list
-) -> list[Callable[[], None]]:
-    """Unsharded: the tasks that decode chunk `(row_of[k], chunk_of[k])` of every leaf of
-    `io` into `stacks[leaf][k]`, one per chunk."""
-
-    chunks_of: list[Any] = io
-
-    def get(chunks: Chunks, stack: np.ndarray, k: int) -> None:
-        data = chunks.data(int(row_of[k]), int(chunk_of[k]))
-        chunks.decode_into(data, stack[k])
-
-    return [
-        functools.partial(get, chunks, stack, k)
-        for chunks, stack in zip(chunks_of, stacks, strict=True)
+) -> None:
+    """Unsharded: chunk `(row_of[k], chunk_of[k])` of every leaf into `stacks[leaf][k]`,
+    one task per chunk."""
+    tasks = [
+        (chunks, stack, k)
+        for chunks, stack in zip(io, stacks, strict=True)
         for k in range(len(row_of))
     ]
 
+    def get(task: tuple[Chunks, np.ndarray, int]) -> None:
+        chunks, stack, k = task
+        data = chunks.data(int(row_of[k]), int(chunk_of[k]))
+        chunks.decode_into(data, stack[k])
 
-def _shard_tasks(
+    for _ in run_all(get, tasks):
+        pass
+
+
+def _decode_shards(
     reader: Reader, io: list[LeafIO], row_of: np.ndarray, chunk_of: np.ndarray, stacks: list
-) -> list[Callable[[], None]]:
-    """Sharded: the tasks, one per (leaf, shard) touched, that read the index (cached for
-    complete shards) and only the chunks needed, each once, into `stacks[leaf][k]` (the
-    leaves of `io` all of one chunk size)."""
+) -> None:
+    """Sharded: one task per (leaf, shard) touched reads the index (cached for complete
+    shards) and only the chunks needed, each once, into `stacks[leaf][k]`."""
     shards_of: list[Any] = io
     ss = reader.layout.shard_steps
     assert ss is not None
-    per, n = shards_of[0].per_shard, reader.commit.length
+    per, n = ss // reader.layout.chunk_steps, reader.commit.length
     s_of = chunk_of // per
     order = np.lexsort((row_of, s_of))  # the needed chunks grouped by shard
     groups = np.split(order, np.flatnonzero(np.diff(s_of[order])) + 1)
 
-    def get(li: int, group: np.ndarray) -> None:
+    def get(task: tuple[int, np.ndarray]) -> None:
+        li, group = task
         shards: Shards = shards_of[li]
         stack = stacks[li]
         s = int(s_of[group[0]])
@@ -209,7 +200,9 @@ def _shard_tasks(
         for k, data in zip(group, datas, strict=True):
             shards.decode_into(data, stack[k])
 
-    return [functools.partial(get, li, g) for g in groups for li in range(len(shards_of))]
+    tasks = [(li, g) for g in groups for li in range(len(shards_of))]
+    for _ in run_all(get, tasks):
+        pass
 
 
 def as_jax(

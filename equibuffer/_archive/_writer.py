@@ -337,15 +337,18 @@ class Writer:
         Each array's metadata says how it is stored, so zarr and every reader (refreshed)
         read it as written."""
         layout = self.reader.layout
+        chunks = layout.chunk_steps
         group = None
-        for leaf, steps, chunks in zip(layout.leaves, host, layout.leaf_chunks, strict=True):
+        for leaf, steps in zip(layout.leaves, host, strict=True):
             # (an array another tool re-encoded, which `direct_codecs` refuses, is kept)
             how = direct_codecs(self.reader.arrays[leaf.name])
             if how is None or how[0] is None or worth_compressing(how[0], steps, chunks):
                 continue
             if group is None:
                 group = zarr.open_group(self.reader.store, mode="a", zarr_format=3)
-            create_leaf_array(group, leaf, layout.rows, chunks, layout.shard_steps, None)
+            create_leaf_array(
+                group, leaf, layout.rows, layout.chunk_steps, layout.shard_steps, None
+            )
         if group is not None:
             self.reader.open_arrays()
 
@@ -413,9 +416,10 @@ class Writer:
         come from `tail` (`(leaf, row) -> the chunk`, kept by the previous write of this
         writer) or are read back."""
         layout = self.reader.layout
+        cs = layout.chunk_steps
         tasks = [
             (li, r, c)
-            for li, cs in enumerate(layout.leaf_chunks)
+            for li in range(len(io))
             for r in range(layout.rows)
             for c in range(old // cs, -(-new // cs))
         ]
@@ -426,7 +430,6 @@ class Writer:
         def put(task: tuple[int, int, int]) -> int:
             li, r, c = task
             chunks: Chunks = chunks_of[li]
-            cs = chunks.shape[0]
             before = lambda: tail[(li, r)] if tail is not None else chunks.get(r, c)  # noqa: E731
             x, a, b = _chunk(host[li][r], old, new, c, cs, chunks, before)
             if b < (c + 1) * cs:
@@ -435,7 +438,7 @@ class Writer:
             return b - a
 
         self._run_writes(put, tasks, (new - old) * layout.rows * len(layout.leaves), host)
-        self.next_tail = (new, keep) if keep else None
+        self.next_tail = (new, keep) if new % cs else None
 
     def _append_shards(
         self, io: list[LeafIO], host: list[np.ndarray], old: int, new: int, tail: Any
@@ -448,7 +451,8 @@ class Writer:
         layout = self.reader.layout
         assert layout.shard_steps is not None
         shards_of: list[Any] = io
-        rows, ss = layout.rows, layout.shard_steps
+        rows, cs, ss = layout.rows, layout.chunk_steps, layout.shard_steps
+        per = ss // cs
         first, last = old // ss, -(-new // ss)
         kept: list[dict[tuple[int, int], Any]] = [{} for _ in shards_of]
         prefix: list[dict[int, np.ndarray]] = [{} for _ in shards_of]
@@ -460,7 +464,6 @@ class Writer:
                 if got is None:
                     continue
                 index, data = got
-                cs, per = shards.shape[0], shards.per_shard
                 for r in range(rows):
                     for j in range(per):
                         c = first * per + j
@@ -489,7 +492,6 @@ class Writer:
         def encode(task: tuple[int, int, int]) -> int:
             li, s, r = task
             shards: Shards = shards_of[li]
-            cs, per = shards.shape[0], shards.per_shard
             row = host[li][r]
             mine = {}
             done = 0

@@ -2,6 +2,7 @@
 local directory or an in-memory zarr store, and `test_archive_s3.py` reruns them on S3."""
 
 import atexit
+import concurrent.futures
 import dataclasses
 import functools
 import inspect
@@ -782,6 +783,47 @@ def test_the_archives_own_io_writes_what_zarrs_own_path_writes(
         else:
             assert own[key] == reference[key], key
     assert_tree_equal(Archive(str(paths[True]), mode="r").read(), expected(0, 50))
+
+
+def test_the_zstd_encoding_writes_numcodecs_frames_from_any_thread():
+    """The archive's zstd encoding (a compression context kept by each thread) writes the
+    frames numcodecs' `Zstd` (zarr's codec) writes, for chunks small and large, compressible
+    and not, of every kind of leaf, from several threads at once; they decode to the data."""
+    import numcodecs
+
+    from equibuffer._archive._format import numcodec
+
+    rng = np.random.default_rng(0)
+    arrays = (
+        [
+            rng.random(n) < 0.01
+            for n in (1, 16, 1024, 1 << 16)  # flags
+        ]
+        + [
+            rng.standard_normal(n).astype(np.float32)
+            for n in (3, 256, 1 << 15)  # noise
+        ]
+        + [
+            np.tile(np.arange(16, dtype=np.uint8), 4096).reshape(64, 32, 32),  # frames
+            np.zeros(1 << 20, np.uint8),
+            np.arange(1 << 14, dtype=np.int64),
+        ]
+    )
+    for level, checksum in ((1, False), (3, True)):
+        zarr_codec = zarr.codecs.ZstdCodec(level=level, checksum=checksum)
+        ours = numcodec(zarr_codec)
+        reference = numcodecs.Zstd(level=level, checksum=checksum)
+        want = [bytes(reference.encode(x)) for x in arrays]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            for _ in range(3):
+                got = [bytes(data) for data in pool.map(ours.encode, arrays)]
+                assert got == want
+        for x, data in zip(arrays, want, strict=True):
+            back = np.frombuffer(ours.decode(data), x.dtype).reshape(x.shape)
+            np.testing.assert_array_equal(back, x)
+            into = np.empty_like(x)
+            ours.decode(data, out=into)
+            np.testing.assert_array_equal(into, x)
 
 
 def test_arrays_another_tool_reencoded_are_read_and_written_through_zarr(tmp_path):

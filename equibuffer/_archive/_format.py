@@ -11,6 +11,7 @@ state (how many time steps are visible, and which steps of the source buffer the
 import dataclasses
 import json
 import re
+import threading
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable, TypeAlias
 
@@ -403,15 +404,43 @@ def document(record: dict) -> bytes:
 # ------------------------------------------------------------------------------- codecs
 
 
+class Zstd:
+    """numcodecs' `Zstd` (zarr's zstd codec), encoding through a compression context kept by
+    each thread (python-zstandard's `ZstdCompressor`) instead of one set up for every call:
+    the same frames (checked in tests/test_archive.py against numcodecs and zarr's own path),
+    1.7 us instead of 16 us for a 1 KiB chunk, where an archive with small leaves beside a
+    wide one encodes tens of thousands of such chunks per GB. Decoding is numcodecs'."""
+
+    def __init__(self, level: int, checksum: bool):
+        import numcodecs
+
+        self.numcodec = numcodecs.Zstd(level=level, checksum=checksum)
+        self.level, self.checksum = level, checksum
+        self.local = threading.local()
+
+    def encode(self, x: np.ndarray) -> bytes:
+        compressor = getattr(self.local, "compressor", None)
+        if compressor is None:
+            import zstandard
+
+            compressor = zstandard.ZstdCompressor(level=self.level, write_checksum=self.checksum)
+            self.local.compressor = compressor
+        return compressor.compress(memoryview(np.ascontiguousarray(x)).cast("B"))
+
+    def decode(self, data: Any, out: np.ndarray | None = None) -> Any:
+        return self.numcodec.decode(data, out=out)
+
+
 def numcodec(codec: Any) -> Any:
-    """The numcodecs twin of a zarr v3 compressor (same bytes), None for no compressor, or
-    `False` for one the archive does not encode itself (zarr's own path is used then)."""
+    """The numcodecs twin of a zarr v3 compressor (same bytes; zstd's encoding through `Zstd`),
+    None for no compressor, or `False` for one the archive does not encode itself (zarr's own
+    path is used then)."""
     import numcodecs
 
     if codec is None:
         return None
     if isinstance(codec, zarr.codecs.ZstdCodec):
-        return numcodecs.Zstd(level=codec.level, checksum=codec.checksum)
+        return Zstd(level=codec.level, checksum=codec.checksum)
     if isinstance(codec, zarr.codecs.BloscCodec):
         shuffle = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[
             str(getattr(codec.shuffle, "value", codec.shuffle))

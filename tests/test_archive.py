@@ -786,9 +786,9 @@ def test_the_archives_own_io_writes_what_zarrs_own_path_writes(
 
 
 def test_the_zstd_encoding_writes_numcodecs_frames_from_any_thread():
-    """The archive's zstd encoding (a compression context kept by each thread) writes the
-    frames numcodecs' `Zstd` (zarr's codec) writes, for chunks small and large, compressible
-    and not, of every kind of leaf, from several threads at once; they decode to the data."""
+    """The archive's zstd coding (contexts kept by each thread) writes the frames numcodecs'
+    `Zstd` (zarr's codec) writes, for chunks small and large, compressible and not, of every
+    kind of leaf, from several threads at once; they decode to the data, into place too."""
     import numcodecs
 
     from equibuffer._archive._format import numcodec
@@ -824,6 +824,20 @@ def test_the_zstd_encoding_writes_numcodecs_frames_from_any_thread():
             into = np.empty_like(x)
             ours.decode(data, out=into)
             np.testing.assert_array_equal(into, x)
+            strided = np.empty((2, *x.shape), x.dtype)[1]  # a view, as a block's rows are
+            ours.decode(data, out=strided)
+            np.testing.assert_array_equal(strided, x)
+        # A frame that does not record its decoded size (another writer's) is decoded too;
+        # a chunk of another size is refused.
+        import zstandard
+
+        bare = zstandard.ZstdCompressor(level=level, write_content_size=False)
+        for x in arrays:
+            into = np.empty_like(x)
+            ours.decode(bare.compress(x.tobytes()), out=into)
+            np.testing.assert_array_equal(into, x)
+        with pytest.raises(ValueError, match="decodes to 1024 bytes where 1023"):
+            ours.decode(want[2], out=np.empty(1023, np.uint8))
 
 
 def test_arrays_another_tool_reencoded_are_read_and_written_through_zarr(tmp_path):

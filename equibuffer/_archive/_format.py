@@ -431,7 +431,7 @@ class Zstd:
 
             compressor = zstandard.ZstdCompressor(level=self.level, write_checksum=self.checksum)
             self.local.compressor = compressor
-        return compressor.compress(memoryview(np.ascontiguousarray(x)).cast("B"))
+        return compressor.compress(np.ascontiguousarray(x).data.cast("B"))
 
     def decode(self, data: Any, out: np.ndarray | None = None) -> Any:
         import zstandard

@@ -612,8 +612,16 @@ def test_d4rl_errors(tmp_path):
     d4rl_file(tmp_path / "h.hdf5", n=50)
     with h5py.File(tmp_path / "h.hdf5", "a") as f:
         del f["timeouts"]
-    with pytest.raises(eb.SourceError, match="has no field 'timeouts'"):
+    with pytest.raises(eb.SourceError, match="has no field 'timeouts'") as raised:
         eb.from_d4rl(tmp_path / "h.hdf5", tmp_path / "a.zarr")
+    assert "windows would cross their ends" in str(raised.value)
+    assert not (tmp_path / "a.zarr").exists()  # refused before any write
+    d4rl_file(tmp_path / "h.hdf5", n=50)
+    with h5py.File(tmp_path / "h.hdf5", "a") as f:
+        del f["rewards"]
+    with pytest.raises(eb.SourceError, match="has no field 'rewards'") as raised:
+        eb.from_d4rl(tmp_path / "h.hdf5", tmp_path / "a.zarr")
+    assert "time limit" not in str(raised.value)  # (the note is about 'timeouts' alone)
     d4rl_file(tmp_path / "h.hdf5", n=50)
     with h5py.File(tmp_path / "h.hdf5", "a") as f:
         del f["rewards"]

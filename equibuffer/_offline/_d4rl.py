@@ -71,6 +71,14 @@ class D4RLSource(Source):
                 + f" (a D4RL file holds {', '.join(_FIELDS)}; it has "
                 + ", ".join(sorted(file.keys()))
                 + ")."
+                + (
+                    " Without 'timeouts' the file does not say where episodes were cut off by"
+                    " a time limit (D4RL's v0 files do not): those episodes would run into"
+                    " the next, and windows would cross their ends. Write the field (true on"
+                    " each step a time limit ended) with h5py, then import."
+                    if "timeouts" in missing
+                    else ""
+                )
             )
         self.data: dict[str, Any] = {leaf: file[name] for name, leaf in _FIELDS.items()}
         n = self.data["observation"].shape[0]

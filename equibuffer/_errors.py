@@ -262,6 +262,12 @@ def first_failure(*words: ArrayLike) -> jax.Array:
     return word
 
 
+def cleared(words: ArrayLike, code: int) -> jax.Array:
+    """`words` with failure `code` cleared (0) where recorded; another failure stays."""
+    words = jnp.asarray(words, jnp.uint32)
+    return jnp.where(words == jnp.uint32(code), jnp.uint32(0), words)
+
+
 def _fold(words: list[jax.Array]) -> jax.Array:
     """The first failure among `words` (in the order checked), one word for every batch
     element under `vmap` and for every device under `shard_map`."""
@@ -318,11 +324,25 @@ def _raise_checked(error: Any, output: Any) -> None:
     if mapping:
         exc = next(iter(mapping.values()))
     if getattr(exc, "fmt_string", None) == FORMAT:
-        failure = _recorded_error(int(np.max(np.asarray(exc.args[0]))), checked=True)
+        code = int(np.max(np.asarray(exc.args[0])))
+        failure = _recorded_error(code, checked=True)
+        output = _acknowledged(output, code)
     else:  # a user's own `checkify.check`, raised as checkify raises it
         failure = checkify.JaxRuntimeError(str(exc))
     failure.output = output  # pyright: ignore[reportAttributeAccessIssue]
     raise failure
+
+
+def _acknowledged(tree: PyTree, code: int) -> PyTree:
+    """`tree` with failure `code`, raised now, cleared from every buffer that recorded it:
+    the operation it refused changed nothing, so the user who caught the error goes on with
+    those buffers (writes them to an `Archive`, uses them eagerly) without it raised again.
+    A sample keeps its failure: its floating leaves are NaN. Another failure stays."""
+
+    def ring(x: Any) -> bool:
+        return hasattr(type(x), "without_error")
+
+    return jax.tree.map(lambda x: x.without_error(code) if ring(x) else x, tree, is_leaf=ring)
 
 
 def raise_recorded(code: int) -> None:
@@ -421,9 +441,11 @@ def filter_jit(fun: Callable[..., Any] | None = None, *, donate: str = "none") -
     the step, `checkify`'s own error), and its `output` attribute holds what the call
     returned: a refused operation (an add over unread `Queue` steps, a NaN priority, ...)
     changed no data, so under `donate="all"`, where the arguments are gone, every step is
-    still there, the failure recorded in the buffers that carry it. Plain `jax.jit` and
-    `eqx.filter_jit` record failures without raising: see [`equibuffer.check`][] and
-    [Troubleshooting](../troubleshooting.md).
+    still there, and the buffers there go on: the failure raised is cleared from them (it
+    would otherwise be raised again at their next eager use, by `Archive.write` and by
+    [`equibuffer.check`][]); a sample there keeps its failure (its floating leaves are NaN).
+    Plain `jax.jit` and `eqx.filter_jit` record failures without raising: see
+    [`equibuffer.check`][] and [Troubleshooting](../troubleshooting.md).
 
     With `EQX_ON_ERROR=off` this is `equinox.filter_jit` itself: no check at all.
 

@@ -17,7 +17,7 @@ from ._checks import (
     keystr,
 )
 from ._custom_types import Count, ExampleTree, ExperienceBatch, IntScalar, StepCount
-from ._errors import error_if, first_failure, raise_recorded
+from ._errors import cleared, error_if, first_failure, raise_recorded
 
 
 _TWO_32 = 1 << 32
@@ -122,6 +122,14 @@ class RingStorage(eqx.Module):
         """The storage with failure `word` recorded, unless one is recorded already (the
         first failure is kept)."""
         counters = self.counters.at[..., 4].set(first_failure(self.counters[..., 4], word))
+        return eqx.tree_at(lambda s: s.counters, self, counters)
+
+    def without_error(self, word: int) -> "RingStorage":
+        """The storage with recorded failure `word` cleared (in each buffer of a stack that
+        holds it; another failure stays): what the checked step (`eb.filter_jit`) hands back
+        in `error.output` once it has raised that failure, the refused operation having
+        changed nothing."""
+        counters = self.counters.at[..., 4].set(cleared(self.counters[..., 4], word))
         return eqx.tree_at(lambda s: s.counters, self, counters)
 
     def with_counters(

@@ -298,6 +298,76 @@ def test_a_failed_sample_sets_no_priority():
     _assert_same(filled, refused)
 
 
+@pytest.mark.parametrize("name", sorted(PRIORITISED))
+def test_a_caught_refusal_leaves_buffers_that_go_on(name):
+    """The failure the checked step raised is not raised again by the buffers in
+    `error.output`: `eb.check` passes, they sample eagerly and are stepped again."""
+    buffer = mesh_kinds.add(PRIORITISED[name](), mesh_kinds.batch(1, ROWS, t=8))
+    sample = mesh_kinds.draw(buffer, jax.random.key(0), 4)
+    if isinstance(buffer, eb.RateLimited):
+        sample = sample[1]
+    step = eb.filter_jit(lambda b, s, p: b.set_priorities(s, p), donate="all")
+    expected = _data(buffer)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="non-negative and finite") as caught:
+        step(buffer, sample, jnp.array([2.0, np.nan, 3.0, 4.0], jnp.float32))
+    kept = caught.value.output
+    assert _data(kept).keys() == expected.keys()
+    for key, x in expected.items():
+        np.testing.assert_array_equal(_data(kept)[key], x, err_msg=key)
+    eb.check(kept)  # raised once, by the step: not again
+    sample = mesh_kinds.draw(kept, jax.random.key(1), 4)  # an eager call on it
+    if isinstance(kept, eb.RateLimited):
+        sample = sample[1]
+    updated = step(kept, sample, jnp.arange(1.0, 5.0))  # and the step again, checked
+    eb.check(updated)
+
+
+def test_a_caught_full_queue_is_drained_and_filled_again():
+    step = eb.filter_jit(lambda q: q.add({"x": jnp.full((1, 2), 9.0)}), donate="all")
+    with pytest.raises(eqx.EquinoxRuntimeError, match="the queue is full") as caught:
+        step(_queue())
+    queue, sample = caught.value.output.sample()  # eager, as the message advises
+    assert sample.experience["x"].tolist() == [[0.0, 1.0]]  # the oldest 2 unread steps
+    queue = step(queue)  # room again for 2
+    assert int(queue.unread) == 4
+    assert queue.sample()[1].experience["x"].tolist() == [[2.0, 3.0]]
+
+
+def test_a_caught_refusal_writes_to_an_archive(tmp_path):
+    buffer = eb.PrioritisedTrajectoryBuffer(
+        {"x": jnp.zeros(2)}, add_batch_size=1, max_length_time_axis=8, sequence_length=2
+    ).add({"x": jnp.arange(8.0).reshape(1, 4, 2)})
+    sample = buffer.sample(jax.random.key(0), 4)
+    step = eb.filter_jit(lambda b, s: b.set_priorities(s, jnp.full(4, -1.0)), donate="all")
+    with pytest.raises(eqx.EquinoxRuntimeError, match="non-negative and finite") as caught:
+        step(buffer, sample)
+    archive = eb.Archive(tmp_path / "a.zarr", like=caught.value.output)
+    archive.write(caught.value.output)
+    np.testing.assert_array_equal(archive.read()["x"][0], np.arange(8.0).reshape(4, 2))
+
+
+def test_a_caught_failure_stays_in_a_sample_and_another_stays_in_a_buffer():
+    """What `error.output` keeps recorded: a failed sample's failure (its leaves are NaN),
+    and a buffer's earlier failure (recorded under plain jit, never raised) other than the
+    one raised."""
+    full = jax.jit(lambda q: q.add({"x": jnp.full((1, 2), 9.0)}))(_queue())  # recorded
+
+    @eb.filter_jit
+    def drain(queue):
+        for _ in range(2):  # the 4 unread steps
+            queue, _ = queue.sample()
+        return queue.sample()  # none left: raised
+
+    with pytest.raises(eqx.EquinoxRuntimeError, match="fewer than sequence_length") as caught:
+        drain(full)
+    queue, sample = caught.value.output
+    assert np.isnan(sample.experience["x"]).all()
+    with pytest.raises(eqx.EquinoxRuntimeError, match="fewer than sequence_length"):
+        eb.check(sample)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="the queue is full"):
+        eb.check(queue)
+
+
 def test_a_clustered_add_with_an_id_out_of_range_writes_nothing():
     def cluster_fn(item):  # the steps of batch 9 go to cluster 7 of 3
         return jnp.where(item["obs"][0] > 5000, 7, mesh_kinds.cluster_of(item))

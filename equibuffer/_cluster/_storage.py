@@ -11,7 +11,7 @@ from equinox.internal import unvmap_all
 from jaxtyping import Array, Bool, Int, PyTree, Shaped, UInt32
 
 from .._custom_types import ExampleTree, ExperienceBatch, Steps
-from .._errors import error_if, first_failure
+from .._errors import cleared, error_if, first_failure
 from .._ring import check_batch, RingStorage
 
 
@@ -56,6 +56,11 @@ class ClusterStorage(eqx.Module):
     def with_error(self, word: UInt32[Array, "*stacked"]) -> "ClusterStorage":
         """The storage with failure `word` recorded, unless one is recorded already."""
         return eqx.tree_at(lambda s: s.error, self, first_failure(self.error, word))
+
+    def without_error(self, word: int) -> "ClusterStorage":
+        """The storage with recorded failure `word` cleared (another stays): what the checked
+        step hands back once it has raised it (see `RingStorage.without_error`)."""
+        return eqx.tree_at(lambda s: s.error, self, cleared(self.error, word))
 
     def item(self) -> PyTree[jax.ShapeDtypeStruct]:
         """The shape and dtype of one item."""

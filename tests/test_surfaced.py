@@ -303,9 +303,7 @@ def test_a_caught_refusal_leaves_buffers_that_go_on(name):
     """The failure the checked step raised is not raised again by the buffers in
     `error.output`: `eb.check` passes, they sample eagerly and are stepped again."""
     buffer = mesh_kinds.add(PRIORITISED[name](), mesh_kinds.batch(1, ROWS, t=8))
-    sample = mesh_kinds.draw(buffer, jax.random.key(0), 4)
-    if isinstance(buffer, eb.RateLimited):
-        sample = sample[1]
+    sample = _draw(buffer, jax.random.key(0))
     step = eb.filter_jit(lambda b, s, p: b.set_priorities(s, p), donate="all")
     expected = _data(buffer)
     with pytest.raises(eqx.EquinoxRuntimeError, match="non-negative and finite") as caught:
@@ -315,9 +313,7 @@ def test_a_caught_refusal_leaves_buffers_that_go_on(name):
     for key, x in expected.items():
         np.testing.assert_array_equal(_data(kept)[key], x, err_msg=key)
     eb.check(kept)  # raised once, by the step: not again
-    sample = mesh_kinds.draw(kept, jax.random.key(1), 4)  # an eager call on it
-    if isinstance(kept, eb.RateLimited):
-        sample = sample[1]
+    sample = _draw(kept, jax.random.key(1))  # an eager call on it
     updated = step(kept, sample, jnp.arange(1.0, 5.0))  # and the step again, checked
     eb.check(updated)
 

@@ -207,6 +207,7 @@ def _on_error_jvp(primals: tuple, tangents: tuple, **kwargs: Any) -> tuple:
 # ---------------------------------------------------------------------- recorded failures
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
+_T = TypeVar("_T")
 
 
 def _carries(x: Any) -> bool:
@@ -251,6 +252,19 @@ def record(word: jax.Array) -> None:
     collected = _COLLECTED.get()
     if collected is not None:
         collected.append(jnp.asarray(word, jnp.uint32))
+
+
+def failure_in(fn: Callable[[], _T]) -> tuple[_T, jax.Array]:
+    """`fn()`, and the first failure recorded by the checks traced inside it (0 when none
+    failed, and wherever nothing is recorded: outside a `@recorded` method, or when
+    `EQX_ON_ERROR` is set). The failures stay recorded for the method being traced. (How a
+    `Mixer` learns that one source refused an update, so that every source refuses it.)"""
+    collected = _COLLECTED.get()
+    start = 0 if collected is None else len(collected)
+    out = fn()
+    if collected is None or len(collected) == start:
+        return out, jnp.uint32(0)
+    return out, first_failure(*collected[start:])
 
 
 def first_failure(*words: ArrayLike) -> jax.Array:

@@ -15,7 +15,7 @@ from ._buffers._epochs import no_epochs
 from ._buffers._samples import AbstractSample
 from ._checks import check_key, check_positive_int, keystr, refuse_flashbax_only
 from ._custom_types import Beta, BoolScalar, IntScalar
-from ._errors import first_failure, poisoned, recorded
+from ._errors import failure_in, first_failure, poisoned, recorded
 from ._protocol import AbstractPrioritisedSource, AbstractSource
 
 
@@ -356,9 +356,19 @@ class Mixer(AbstractPrioritisedSource):
         # then gets NaN priorities, which it refuses with the message of a bad priority.
         bad = jnp.any((priorities < 0) | ~jnp.isfinite(priorities)) | (sample.error != 0)
         priorities = jnp.where(bad, jnp.nan, priorities.astype(jnp.float32))
+        # So does a source's own refusal (its indices out of range, as from another buffer's
+        # sample): the routing is traced once to learn whether any source refuses (only the
+        # checks of that pass are used, so jit keeps nothing else of it), then again with
+        # NaN priorities everywhere if one does. Its failure is the first recorded.
+        _, refused = failure_in(lambda: self._routed(sample, priorities))
+        priorities = jnp.where(refused != 0, jnp.nan, priorities)
+        return eqx.tree_at(lambda m: m.buffers, self, self._routed(sample, priorities))
+
+    def _routed(self, sample: MixedSample, priorities: Float[Array, " batch"]) -> tuple:
+        """Each prioritised source with `set_priorities` of its own rows of `sample`."""
         buffers = list(self.buffers)
         # Source i's rows: one run per block of the mix (one block unless `row_blocks > 1`).
-        blocks = sample.row_blocks
+        batch, blocks = priorities.shape[0], sample.row_blocks
         by_block = priorities.reshape(blocks, batch // blocks)
         start = 0
         for i, (buffer, n) in enumerate(zip(self.buffers, self.counts(batch), strict=True)):
@@ -367,7 +377,7 @@ class Mixer(AbstractPrioritisedSource):
                 own = by_block[:, start : start + n // blocks].reshape(-1)
                 buffers[i] = buffer.set_priorities(part, own)
             start += n // blocks
-        return eqx.tree_at(lambda m: m.buffers, self, tuple(buffers))
+        return tuple(buffers)
 
     @staticmethod
     def _row_blocks(row_blocks: int, batch_size: int, counts: tuple[int, ...]) -> int:

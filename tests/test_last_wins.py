@@ -81,12 +81,13 @@ def test_repeated_windows_in_one_update_the_last_priority_wins(kind):
 
 
 def _written(buffer) -> int:
-    """How many tree writes one `set_priorities` makes: one per `SumTree`, one for all the
-    clusters' trees of a clustered buffer (a `SumTrees`)."""
+    """How many tree writes one `set_priorities` traces: one per `SumTree`, one for all the
+    clusters' trees of a clustered buffer (a `SumTrees`); a Mixer traces its sources' twice
+    (once to learn whether a source refuses the update: then every source refuses it)."""
     if isinstance(buffer, eb.RateLimited):
         return _written(buffer.buffer)
     if isinstance(buffer, eb.Mixer):
-        return sum(_written(b) for b in buffer.buffers)
+        return 2 * sum(_written(b) for b in buffer.buffers)
     return 1
 
 

@@ -65,6 +65,14 @@ def write_nodes(
     (each entry in its tree `tree`; None: a single tree), with every node above recomputed
     (the roots included)."""
     indices = indices.astype(jnp.int32)
+    if mask is not None:
+        # A skipped entry may name any leaf, or tree (a refused write's: out of range, from
+        # another buffer's sample). Both ways below recompute the nodes above every entry's
+        # leaf, skipped or not, so a skipped entry is sent to leaf 0 of tree 0, whose path it
+        # recomputes unchanged: out of range, its path ran through other nodes (or, clamped,
+        # another tree's) and wrote sums of the wrong children there.
+        indices = jnp.where(mask, indices, 0)
+        tree = None if tree is None else jnp.where(mask, tree, 0)
     writes = Writes(indices, flush_subnormal(values), mask, tree)
     split = nodes.size * nodes.dtype.itemsize >= SPLIT_BYTES
     if indices.shape[0] <= max(IN_TURN, IN_TURN_SPLIT if split else 0) and not BARRIER_EXPANDED:

@@ -1,0 +1,161 @@
+"""Bad input by the thousand (issue 49): random bad arguments, each refused with its own
+message, and a refused call changes no data.
+
+A refused `set_priorities` (indices out of range, as from another buffer's sample; a
+negative, NaN or infinite priority; both; among valid entries and stale ones) leaves every
+array of every prioritised kind as it was, the sum tree included: eagerly it raises, under
+plain `jax.jit` the failure is recorded and `eb.check` raises it, under `eb.filter_jit` (with
+donation) it raises with the buffer it returned in `error.output`. The buffers returned are
+compared leaf by leaf with the buffer before the call."""
+
+import collections
+import re
+
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import equibuffer as eb
+
+from . import mesh_kinds
+from .helpers import budget
+from .test_surfaced import _assert_same, _draw, PRIORITISED, ROWS
+
+
+BATCH = 4  # the rows of every sample (a Mixer's: 2 from each source)
+# Each kind's number of windows: an index at or past it, or negative, is out of range.
+WINDOWS = {name: (3 * 16 if name == "clustered" else ROWS * 16) for name in PRIORITISED}
+OUT_OF_RANGE = "every index must be in"
+BAD_PRIORITY = "every priority must be non-negative and finite"
+# The bad inputs tried, by kind and by the message that refused them (printed with `-s`).
+TRIED: collections.Counter[tuple[str, str]] = collections.Counter()
+
+
+def _filled(name: str):
+    return mesh_kinds.add(PRIORITISED[name](), mesh_kinds.batch(1, ROWS, t=8))
+
+
+_FILLED = {}
+_SAMPLES = {}
+
+
+def _buffer_and_sample(name: str):
+    """A filled buffer of kind `name` and a sample drawn from it (made once per kind)."""
+    if name not in _FILLED:
+        buffer = _filled(name)
+        _FILLED[name], _SAMPLES[name] = buffer, _draw(buffer, jax.random.key(0))
+    return _FILLED[name], _SAMPLES[name]
+
+
+def _rewritten(sample, indices, steps_shift):
+    """`sample` with its `i`-th index replaced by `indices[i]` where that is not None, and
+    its `steps` moved by `steps_shift` (stale windows: dropped, not refused). A Mixer's
+    sample holds one `indices` leaf per source, its rows in order: they are counted on."""
+    at = {"indices": 0, "steps": 0}
+
+    def rows(field, n):
+        start = at[field]
+        at[field] += n
+        return slice(start, start + n)
+
+    def rewrite(path, x):
+        name = jax.tree_util.keystr(path)
+        if name.endswith(".indices"):
+            given = indices[rows("indices", x.shape[0])]
+            new = [old if v is None else v for old, v in zip(np.asarray(x), given, strict=True)]
+            return jnp.asarray(np.array(new, np.int64).astype(np.int32))
+        if name.endswith(".steps") and x.dtype == jnp.uint32:  # (not an n-step's count)
+            return x + jnp.asarray(steps_shift[rows("steps", x.shape[0])], jnp.uint32)
+        return x
+
+    return jax.tree_util.tree_map_with_path(rewrite, sample)
+
+
+BAD_FLOATS = st.sampled_from([np.nan, np.inf, -np.inf, -1.0, -1e-30, -3e38])
+GOOD_FLOATS = st.floats(0.0, 1e30, allow_subnormal=False)
+
+
+@st.composite
+def bad_updates(draw, name: str):
+    """Indices (None: the sample's own), a shift of the steps and priorities: some indices
+    out of range, some priorities bad, or both, among valid entries."""
+    windows = WINDOWS[name]
+    outside = st.one_of(
+        st.integers(-(2**31), -1), st.integers(windows, 2**31 - 1), st.sampled_from([-1, windows])
+    )
+    which = draw(st.sampled_from(["indices", "priorities", "both"]))
+    indices = [None] * BATCH
+    priorities = draw(st.lists(GOOD_FLOATS, min_size=BATCH, max_size=BATCH))
+    for bad, values, strategy in [
+        ("indices", indices, outside),
+        ("priorities", priorities, BAD_FLOATS),
+    ]:
+        if which in (bad, "both"):
+            for at in draw(st.sets(st.integers(0, BATCH - 1), min_size=1)):
+                values[at] = draw(strategy)
+    shift = draw(st.lists(st.sampled_from([0, 0, 1, 2**31]), min_size=BATCH, max_size=BATCH))
+    return np.array(indices, object), np.array(shift, np.uint32), np.array(priorities, np.float32)
+
+
+def _message(indices) -> str:
+    """The message the update is refused with: an index out of range is named first (a
+    Mixer sends its sources NaN priorities when one is bad; each source names its own
+    indices out of range first)."""
+    return OUT_OF_RANGE if any(i is not None for i in indices) else BAD_PRIORITY
+
+
+def _set(buffer, sample, priorities):
+    return buffer.set_priorities(sample, priorities)
+
+
+_JITTED = eqx.filter_jit(_set)
+_CHECKED = eb.filter_jit(_set, donate="all")
+
+
+@pytest.mark.parametrize("name", sorted(PRIORITISED))
+@settings(max_examples=budget(40), deadline=None)
+@given(data=st.data())
+def test_a_refused_set_priorities_changes_nothing(name, data):
+    buffer, sample = _buffer_and_sample(name)
+    indices, shift, priorities = data.draw(bad_updates(name))
+    bad = _rewritten(sample, indices, shift)
+    message = _message(indices)
+    TRIED[name, message] += 1
+    with pytest.raises(eqx.EquinoxRuntimeError, match=re.escape(message)):
+        _set(buffer, bad, priorities)  # eagerly: raised at once
+    refused = _JITTED(buffer, bad, priorities)  # plain jit: recorded
+    _assert_same(buffer, refused)
+    with pytest.raises(eqx.EquinoxRuntimeError, match=re.escape(message)):
+        eb.check(refused)
+    donated = jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, (buffer, bad))
+    with pytest.raises(eqx.EquinoxRuntimeError, match=re.escape(message)) as caught:
+        _CHECKED(*donated, priorities)
+    _assert_same(buffer, caught.value.output)
+
+
+def test_the_tree_is_the_one_the_kept_priorities_give():
+    """After refused updates, every node of the tree is the sum of its children: the next
+    draw follows the law of the priorities kept (the fuzzer's case: a sample of a buffer four
+    times larger, under plain jit; the root went from 16 to 6,808)."""
+    ex = {"x": jnp.float32(0)}
+    small = eb.PrioritisedItemBuffer(ex, add_batch_size=1, capacity=16)
+    big = eb.PrioritisedItemBuffer(ex, add_batch_size=1, capacity=64)
+    small = small.add({"x": jnp.arange(16.0)[None]})
+    big = big.add({"x": jnp.arange(64.0)[None]})
+    sample = big.sample(jax.random.key(0), 8)
+    assert int(jnp.max(sample.indices)) >= 16
+    after = jax.jit(_set)(small, sample, jnp.full((8,), 5.0))
+    tree = after.rule.tree
+    np.testing.assert_array_equal(np.asarray(tree.nodes), np.asarray(small.rule.tree.nodes))
+    assert float(tree.total()) == 16.0
+    with pytest.raises(eqx.EquinoxRuntimeError, match=OUT_OF_RANGE):
+        eb.check(after)
+
+
+def teardown_module():
+    for (name, message), n in sorted(TRIED.items()):
+        print(f"test_fuzz: {name}: {n} bad set_priorities refused with '{message}'")

@@ -13,7 +13,9 @@ an error, never a silent skip.
 import email
 import os
 import pathlib
+import re
 import shutil
+import subprocess
 import sys
 import tarfile
 import zipfile
@@ -165,6 +167,89 @@ def stateful(session: nox.Session) -> None:
         *session.posargs,
         env={"EQUIBUFFER_STATEFUL_EXAMPLES": os.environ.get("EQUIBUFFER_STATEFUL_EXAMPLES", "36")},
     )
+
+
+def changed_files(base: str | None) -> tuple[str, list[str]]:
+    """The base the change is counted from and the files it touches: the commits since
+    `base` (default: the branch's upstream where one is set, else the newest commit older
+    than four hours, as a session's change) and what is not committed, untracked included."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+
+    if base is None:
+        base = git("rev-parse", "--verify", "-q", "@{upstream}") or git(
+            "rev-list", "-1", "--before=4 hours ago", "HEAD"
+        )
+        base = base or git("rev-list", "--max-parents=0", "HEAD").splitlines()[-1]
+    committed = git("diff", "--name-only", base, "--").splitlines()
+    untracked = git("ls-files", "--others", "--exclude-standard").splitlines()
+    return base, sorted({*committed, *untracked})
+
+
+def tests_of(files: list[str]) -> tuple[list[str], list[str]]:
+    """The test files a change to `files` asks for: the changed test files; and the test
+    files named after a changed module or its package (`equibuffer/_sumtree/_writes.py`:
+    `tests/test_sumtree*.py`, `tests/test_writes*.py`), importing it by its dotted name, or
+    importing a changed helper of `tests/`."""
+    tests = pathlib.Path("tests")
+    texts = {p: p.read_text() for p in sorted(tests.glob("test_*.py"))}
+    changed: set[pathlib.Path] = set()
+    touched: set[pathlib.Path] = set()
+    for name in files:
+        path = pathlib.Path(name)
+        if path.suffix != ".py" or not path.exists():
+            continue
+        if path.parent == tests and path.name.startswith("test_"):
+            changed.add(path)
+        elif path.parent == tests:  # a helper: the tests that import it
+            touched |= {p for p, t in texts.items() if re.search(rf"\b{path.stem}\b", t)}
+        elif path.parts[0] == "equibuffer":
+            stems = {part.removesuffix(".py").strip("_") for part in path.parts[1:]} - {"init"}
+            dotted = ".".join(path.with_suffix("").parts)
+            touched |= {p for s in stems if s for p in tests.glob(f"test_{s}*.py")}
+            touched |= {p for p, t in texts.items() if dotted in t}
+    return sorted(p.as_posix() for p in changed), sorted(p.as_posix() for p in touched - changed)
+
+
+@nox.session(python=HERE)
+def precheck(session: nox.Session) -> None:
+    """The checks that have failed CI after a green local run, in minutes: lint; pyright
+    against both sets of releases CI checks (Python 3.11's and 3.13's: both must be found,
+    e.g. `PYENV_VERSION=3.11.7:3.13.0`); the docs' examples and the strict site build (`nox
+    -s docs`); the tests of the files the change touched (see `tests_of`: every test of a
+    changed test file, the others' but those that start processes), at the quick budgets,
+    thorough cases included. Run it before every push: at most about 10 minutes on 2 cores.
+
+    `nox -s precheck -- --base REV` counts the change from `REV`; `nox -s precheck --
+    tests/test_x.py ...` runs those tests instead of the touched ones."""
+    args = list(session.posargs)
+    base = None
+    if "--base" in args:
+        at = args.index("--base")
+        base, args = args[at + 1], args[:at] + args[at + 2 :]
+    session.install(*nox.project.dependency_groups(PYPROJECT, "lint"))
+    session.run("ruff", "format", "--check", ".")
+    session.run("ruff", "check", ".")
+    nested = [sys.executable, "-m", "nox"]
+    for python in ("3.11", "3.13"):
+        session.run(*nested, "--force-python", python, "-s", "typecheck", external=True)
+    session.run(*nested, "-s", "docs", external=True)
+    base, files = changed_files(base)
+    changed, touched = (args, []) if args else tests_of(files)
+    session.log(f"changed since {base[:12]}: {len(files)} files")
+    session.log(f"tests changed: {changed or 'none'}; of the modules changed: {touched or 'none'}")
+    if changed or touched:
+        install(session, "tests")
+        quick = ["-n", "2", "--dist", "loadfile", "--hypothesis-profile", "quick"]
+        # Every test of a changed test file; of the others, those that start no process (the
+        # slow ones, minutes each: `nox -s slow`), so that the whole check stays in minutes.
+        selection = [*changed, *touched]
+        session.run(
+            "pytest", *quick, "-m", "not examples and not slow", *selection, success_codes=[0, 5]
+        )
+        if changed:
+            session.run("pytest", *quick, "-m", "slow", *changed, success_codes=[0, 5])
 
 
 @nox.session(python=HERE)

@@ -153,13 +153,19 @@ def release_compiled_programs() -> bool:
     return True
 
 
+def xla_flags(devices: int) -> str:
+    """`XLA_FLAGS` for a process of the tests with `devices` emulated CPU devices: this
+    process's flags (tests/conftest.py compiles without LLVM's optimisations) and the count."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+
+
 def run_on_host_devices(script: str, devices: int, timeout: float, **env: str):
     """Run the Python `script` in a fresh process with `devices` emulated CPU devices (the test
     process has one) and return the `subprocess.CompletedProcess`. The script prints what it
     checked; a hang becomes `subprocess.TimeoutExpired` rather than a stuck suite."""
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": xla_flags(devices),
         "JAX_PLATFORMS": "cpu",  # host devices, also on a machine with an accelerator
         **env,
     }

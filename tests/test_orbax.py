@@ -22,6 +22,7 @@ import pytest
 
 import equibuffer as eb
 
+from .helpers import xla_flags
 from .mesh_kinds import add, batch, kinds, sample
 
 
@@ -120,7 +121,7 @@ def test_a_large_buffer_is_saved_in_chunks_of_the_size_asked(tmp_path):
 def test_a_run_resumed_in_a_new_process_gives_the_same_samples(tmp_path, devices):
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": xla_flags(devices),
         "JAX_PLATFORMS": "cpu",
     }
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -170,7 +171,7 @@ def big_state(value: float) -> dict:
 @pytest.mark.slow
 def test_a_process_killed_during_an_async_save_leaves_the_last_complete_step(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
     with subprocess.Popen(
         [sys.executable, "-c", KILLED, str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root,

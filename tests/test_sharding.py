@@ -16,11 +16,12 @@ from jax.sharding import AxisType
 
 import equibuffer as eb
 
+from .helpers import xla_flags
+
 
 SCRIPT = textwrap.dedent(
     """
     import os, re
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     import equinox as eqx, jax, jax.numpy as jnp, numpy as np
     from jax.sharding import AxisType, PartitionSpec as P
     import equibuffer as eb
@@ -98,7 +99,7 @@ SCRIPT = textwrap.dedent(
 def test_sharded_buffers_match_one_device():
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": xla_flags(2),
         "JAX_PLATFORMS": "cpu",  # two host devices, also on a machine with an accelerator
     }
     out = subprocess.run(

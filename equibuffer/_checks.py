@@ -22,11 +22,24 @@ def keystr(path: Sequence[Any]) -> str:
     return jax.tree_util.keystr(tuple(path)) or "<root>"
 
 
-def check_positive_int(where: str, name: str, value: Any) -> int:
+# The largest size a buffer takes: its positions, counts of windows and draws are int32.
+MAX_SIZE = 2**31 - 1
+
+
+def check_positive_int(where: str, name: str, value: Any, *, limit: int | None = MAX_SIZE) -> int:
+    """`value`, a positive Python or NumPy int of at most `limit` (None: any), as an int;
+    refused naming `name` otherwise. Every size a buffer holds or draws is bounded by
+    `MAX_SIZE`, before anything is allocated or compiled (a `batch_size` of 2**40 ended the
+    process with SIGFPE inside XLA, one of 2**31 failed in the dispatcher naming nothing)."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"{where}: `{name}` must be an int, got {value!r}.")
     if value < 1:
         raise ValueError(f"{where}: `{name}` must be at least 1, got {value}.")
+    if limit is not None and value > limit:
+        raise ValueError(
+            f"{where}: `{name}`={value} is more than a buffer can index: at most "
+            f"2**31 - 1 = {MAX_SIZE} (its positions are int32)."
+        )
     return int(value)
 
 

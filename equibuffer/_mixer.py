@@ -17,6 +17,7 @@ from ._checks import check_key, check_positive_int, keystr, refuse_flashbax_only
 from ._custom_types import Beta, BoolScalar, IntScalar
 from ._errors import failure_in, first_failure, poisoned, recorded
 from ._protocol import AbstractPrioritisedSource, AbstractSource
+from .rules._by_priority import as_priorities
 
 
 class MixedSample(eqx.Module):
@@ -345,7 +346,7 @@ class Mixer(AbstractPrioritisedSource):
             assert float(mixer.buffers[1].max_priority) == 2.0  # rows 2-3 went to source 1
             ```
         """
-        priorities = jnp.asarray(priorities)
+        priorities = as_priorities("Mixer.set_priorities()", priorities)
         batch = sample.source.shape[0]
         if priorities.shape != (batch,):
             raise ValueError(

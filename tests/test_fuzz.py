@@ -15,6 +15,7 @@ import equinox as eqx
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -154,6 +155,93 @@ def test_the_tree_is_the_one_the_kept_priorities_give():
     assert float(tree.total()) == 16.0
     with pytest.raises(eqx.EquinoxRuntimeError, match=OUT_OF_RANGE):
         eb.check(after)
+
+
+# Priorities that are not real numbers, and betas that are not a float: refused where they
+# enter, by name, with what to pass (before, a string beta was taken as a number, complex
+# priorities were taken, and None or strings failed inside JAX naming nothing of the user's).
+NOT_PRIORITIES = [
+    None,
+    "high",
+    np.array(["a", "b", "c", "d"]),
+    np.ones(BATCH, np.complex64),
+    np.ones(BATCH, bool),
+    [object()] * BATCH,
+]
+NOT_BETAS = ["0.4", "high", None, True, 1j, np.array("x"), np.complex64(1)]
+
+
+@pytest.fixture
+def as_users_run(monkeypatch):
+    """The library's own checks, without the tests' jaxtyping hook, which would refuse these
+    first (by the annotation): what a user, who runs without it, reads."""
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+
+
+@pytest.mark.parametrize("name", sorted(PRIORITISED))
+def test_priorities_that_are_not_real_numbers_are_refused_by_name(name, as_users_run):
+    buffer, sample = _buffer_and_sample(name)
+    for bad in NOT_PRIORITIES:
+        with pytest.raises(TypeError, match="`priorities` must be real numbers") as caught:
+            buffer.set_priorities(sample, bad)
+        assert type(bad).__name__ in str(caught.value)
+        TRIED[name, "`priorities` must be real numbers"] += 1
+
+
+@pytest.mark.parametrize("name", sorted(PRIORITISED))
+def test_a_beta_that_is_not_a_float_is_refused_by_name(name, as_users_run):
+    buffer, _ = _buffer_and_sample(name)
+    for bad in NOT_BETAS:
+        with pytest.raises(TypeError, match="`beta` must be a float") as caught:
+            buffer.sample(jax.random.key(0), BATCH, beta=bad)
+        assert repr(bad) in str(caught.value)
+        TRIED[name, "`beta` must be a float"] += 1
+
+
+PAST_INT32 = [2**31, 2**40]
+ALL_KINDS = mesh_kinds.kinds(ROWS, 16)
+
+
+@pytest.mark.parametrize("name", sorted(set(ALL_KINDS) - {"queue"}))  # (it takes no batch size)
+def test_a_batch_size_past_int32_is_refused_by_name(name):
+    """Before, 2**40 ended the process (SIGFPE inside XLA) and 2**31 failed in JAX's
+    dispatcher, naming nothing of the user's."""
+    buffer = mesh_kinds.add(ALL_KINDS[name](), mesh_kinds.batch(1, ROWS, t=8))
+    for size in PAST_INT32:
+        with pytest.raises(ValueError, match=f"`batch_size`={size} is more than a buffer can"):
+            buffer.sample(jax.random.key(0), size)
+        TRIED[name, "`batch_size` past int32"] += 1
+
+
+EX = mesh_kinds.EXAMPLE
+SIZED = {
+    "add_batch_size": lambda n: eb.ItemBuffer(EX, add_batch_size=n, capacity=8),
+    "capacity": lambda n: eb.ItemBuffer(EX, add_batch_size=1, capacity=n),
+    "max_length_time_axis": lambda n: eb.TrajectoryBuffer(
+        EX, add_batch_size=1, sequence_length=2, max_length_time_axis=n
+    ),
+    "sequence_length": lambda n: eb.TrajectoryBuffer(
+        EX, add_batch_size=1, sequence_length=n, max_length_time_axis=8
+    ),
+    "period": lambda n: eb.TrajectoryBuffer(
+        EX, add_batch_size=1, sequence_length=2, period=n, max_length_time_axis=8
+    ),
+    "num_clusters": lambda n: eb.ClusteredBuffer(
+        EX, add_batch_size=1, num_clusters=n, cluster_capacity=8, cluster_fn=mesh_kinds.cluster_of
+    ),
+    "cluster_capacity": lambda n: eb.ClusteredBuffer(
+        EX, add_batch_size=1, num_clusters=3, cluster_capacity=n, cluster_fn=mesh_kinds.cluster_of
+    ),
+}
+
+
+@pytest.mark.parametrize("argument", sorted(SIZED))
+def test_a_size_past_int32_is_refused_by_name_before_allocating(argument):
+    """Before, such sizes reached XLA's allocator ("Out of memory allocating N bytes") or
+    failed later with an `OverflowError`, naming no argument."""
+    for size in PAST_INT32:
+        with pytest.raises(ValueError, match=f"`{argument}`={size} is more than a buffer can"):
+            SIZED[argument](size)
 
 
 def teardown_module():

@@ -667,7 +667,7 @@ def to_minari(
             f"{where}: unexpected keyword {', '.join(map(repr, unknown))}: the data set's "
             f"metadata keywords are {', '.join(_MINARI_KEYWORDS)}."
         )
-    memory = check_positive_int(where, "memory", memory)
+    memory = check_positive_int(where, "memory", memory, limit=None)
     if not isinstance(dataset_id, str):
         raise TypeError(f"{where}: `dataset_id` must be a str, got {type(dataset_id).__name__}.")
     try:

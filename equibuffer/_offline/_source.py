@@ -119,7 +119,7 @@ def _staged(example: PyTree[np.ndarray], rows: int) -> PyTree[jax.ShapeDtypeStru
 
 def block_steps(where: str, source: Source, memory: int) -> int:
     """Time steps per staged block: `_BLOCK_SHARE` of `memory`, at least one step."""
-    memory = check_positive_int(where, "memory", memory)
+    memory = check_positive_int(where, "memory", memory, limit=None)
     step = source.step_bytes()
     if memory < max(MIN_MEMORY, math.ceil(step / _BLOCK_SHARE)):
         need = max(MIN_MEMORY, math.ceil(step / _BLOCK_SHARE))

@@ -66,9 +66,26 @@ def check_priority(where: str, priority: Any) -> float:
     return priority
 
 
+def _real(x: Any) -> bool:
+    """Whether `x` has a dtype of real numbers (integer or floating, not bool)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and (
+        jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+    )
+
+
 def check_beta(where: str, beta: Any) -> Float[Array, ""]:
-    if isinstance(beta, int | float) and not (math.isfinite(beta) and beta >= 0):
-        raise ValueError(f"{where}: `beta` must be finite and >= 0, got {beta}.")
+    """`beta` (a Python float or int, or a 0-d array of real numbers: a traced schedule) as a
+    0-d float32 array; a Python number must be finite and >= 0 (a traced one is checked
+    inside jit, with the draw)."""
+    if isinstance(beta, int | float) and not isinstance(beta, bool):
+        if not (math.isfinite(beta) and beta >= 0):
+            raise ValueError(f"{where}: `beta` must be finite and >= 0, got {beta}.")
+    elif not _real(beta):
+        raise TypeError(
+            f"{where}: `beta` must be a float (or a 0-d array of one), the importance-sampling "
+            f"exponent, e.g. 0.4 annealed to 1; got {beta!r} of type {type(beta).__name__}."
+        )
     exponent = jnp.asarray(beta, jnp.float32)
     if exponent.shape != ():
         raise ValueError(f"{where}: `beta` must be a scalar, got shape {exponent.shape}.")
@@ -116,6 +133,22 @@ def draw_by_priority(
     return Drawn(indices, steps, probabilities, weights)
 
 
+def as_priorities(where: str, priorities: Any) -> Array:
+    """`priorities` as an array, refused by name unless it holds real numbers (integer or
+    floating: not bool, complex, strings, objects, None): nothing is cast in silence."""
+    try:
+        new = None if isinstance(priorities, str) else jnp.asarray(priorities)
+    except (TypeError, ValueError):  # (None, objects, strings: JAX refuses them its own way)
+        new = None
+    if new is None or not _real(new):
+        got = f" of dtype {new.dtype}" if new is not None else ""
+        raise TypeError(
+            f"{where}: `priorities` must be real numbers, one per sampled window (for "
+            f"example `jnp.abs(td_error) + 1e-6`); got {type(priorities).__name__}{got}."
+        )
+    return new
+
+
 def check_priority_update(
     update: Update, capacity: int, bound: str = "add_batch_size * max_length_time_axis"
 ) -> tuple[Indices, Steps, Float[Array, " batch"], Bool[Array, ""]]:
@@ -128,7 +161,7 @@ def check_priority_update(
     where = update.where
     indices = jnp.asarray(update.indices)
     steps = jnp.asarray(update.steps)
-    new = jnp.asarray(update.priorities)
+    new = as_priorities(where, update.priorities)
     indices = check_indices(where, indices)
     for name, x in (("priorities", new), ("steps", steps)):
         if x.shape != indices.shape:

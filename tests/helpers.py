@@ -11,8 +11,29 @@ import sys
 import equinox as eqx
 import jax
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine
+
+
+def spread(values, keep: int = 4, *, unpack: bool = False) -> list:
+    """`values` for `pytest.mark.parametrize`, all but `keep` of them (spread evenly over the
+    list, both ends included) marked `thorough`: a test run for every kind of buffer runs
+    `keep` kinds in the quick tier (`nox -s tests`; each kind's own test file keeps testing
+    it there) and every kind in `nox -s tests-all` and CI. `unpack`: each value is the tuple
+    of several arguments."""
+    values = list(values)
+    kept = spread_kept(len(values), keep)
+
+    def param(v):
+        return pytest.param(*(v if unpack else (v,)), marks=pytest.mark.thorough)
+
+    return [v if i in kept else param(v) for i, v in enumerate(values)]
+
+
+def spread_kept(n: int, keep: int = 4) -> set[int]:
+    """The positions among `n` values that `spread` keeps in the quick tier."""
+    return {round(i * (n - 1) / (keep - 1)) for i in range(keep)} if n > keep else set(range(n))
 
 
 def chi_square_pvalue(counts: np.ndarray, expected_probs: np.ndarray) -> float:

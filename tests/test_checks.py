@@ -15,6 +15,7 @@ import equibuffer as eb
 import equibuffer._errors
 
 from . import mesh_kinds
+from .helpers import spread
 
 
 ROWS, LENGTH = 2, 16
@@ -74,7 +75,7 @@ def _jaxpr(fn, *args):
     return jax.make_jaxpr(lambda *a: fn(*a))(*args).jaxpr
 
 
-@pytest.mark.parametrize("name", sorted(KINDS))
+@pytest.mark.parametrize("name", spread(sorted(KINDS)))
 def test_no_host_wait_in_a_default_step(name):
     """On a GPU (or TPU) nothing makes the device wait for the host; on the CPU, where a
     conditional costs no such wait, no callback either (the Queue's slice-or-gather and a

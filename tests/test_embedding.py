@@ -11,6 +11,8 @@ import pytest
 
 import equibuffer as eb
 
+from .helpers import spread
+
 
 EXAMPLE = {"obs": jnp.zeros(3), "action": jnp.int32(0), "reward": jnp.float32(0)}
 
@@ -182,7 +184,9 @@ def _every_kind():
     return [(name, buffer, step) for name, buffer in kinds.items()]
 
 
-@pytest.mark.parametrize("name,buffer,step", _every_kind(), ids=[k[0] for k in _every_kind()])
+@pytest.mark.parametrize(
+    "name,buffer,step", spread(_every_kind(), unpack=True), ids=[k[0] for k in _every_kind()]
+)
 def test_every_buffer_steps_under_plain_jax_jit(name, buffer, step):
     """The faster spelling the docs give for one call per step from Python: every buffer is
     a valid `jax.jit` argument (all its leaves arrays), donated, and compiles once."""

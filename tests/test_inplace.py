@@ -14,7 +14,7 @@ import equibuffer as eb
 from equibuffer._checks import BARRIER_EXPANDED
 from equibuffer._sumtree import SumTrees
 
-from .helpers import compiled_hlo, copies
+from .helpers import compiled_hlo, copies, spread
 from .mesh_kinds import add, batch, cluster_of, EXAMPLE, kinds, prioritised_kinds
 
 
@@ -98,7 +98,7 @@ def _assert_in_place(step, state: TrainState) -> None:
     assert not big, f"the step copies arrays of {big} elements (the buffer's are >= {LENGTH})"
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", spread(sorted(KINDS)))
 def test_prioritised_step_updates_in_place(kind):
     _assert_in_place(_train_step("weights"), _state(kind))
 
@@ -109,7 +109,7 @@ def test_prioritised_step_weighted_by_probabilities_updates_in_place(kind):
     _assert_in_place(_train_step("probabilities"), _state(kind))
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", spread(sorted(KINDS)))
 def test_prioritised_step_with_an_add_updates_in_place(kind):
     """An add first: a prioritised episode rule reads the validity flags it then writes (it
     used to copy them); with jax 0.10 the ring's write of a block used to copy the storage."""
@@ -135,7 +135,7 @@ def test_a_weighted_loss_costs_no_copy_against_an_unweighted_one():
     _assert_in_place(_train_step("none"), state)
 
 
-@pytest.mark.parametrize("kind", sorted(kinds(ROWS, LENGTH)))
+@pytest.mark.parametrize("kind", spread(sorted(kinds(ROWS, LENGTH))))
 def test_an_add_of_a_block_updates_in_place(kind):
     """Every kind's add of several steps per row, donated: no copy of the storage (on the CPU
     a block that fits is one `dynamic_update_slice`, chosen by a `cond` with jax >= 0.11,

@@ -14,6 +14,7 @@ import pytest
 import equibuffer as eb
 from equibuffer._sumtree import SumTrees
 
+from .helpers import spread
 from .mesh_kinds import add, batch, prioritised_kinds
 
 
@@ -54,7 +55,7 @@ def _trees(buffer) -> list[np.ndarray]:
 
 
 # (A mix routes each source's rows to that source's own `set_priorities`: the kinds below.)
-@pytest.mark.parametrize("kind", sorted(set(KINDS) - {"mixer"}))
+@pytest.mark.parametrize("kind", spread(sorted(set(KINDS) - {"mixer"})))
 def test_repeated_windows_in_one_update_the_last_priority_wins(kind):
     """Each sampled window three times with different priorities, then a stale update of a
     window (its start step overwritten: dropped) after the others: the tree holds, for every
@@ -91,7 +92,7 @@ def _written(buffer) -> int:
     return 1
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", spread(sorted(KINDS)))
 def test_set_priorities_writes_through_the_deduplication(kind, monkeypatch):
     """The mechanism: `set_priorities` writes each tree's leaves with `SumTree.write`'s
     deduplication, or that of `SumTrees.write` (the same code) for a clustered buffer's

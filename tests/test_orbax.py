@@ -22,7 +22,7 @@ import pytest
 
 import equibuffer as eb
 
-from .helpers import xla_flags
+from .helpers import spread, xla_flags
 from .mesh_kinds import add, batch, kinds, sample
 
 
@@ -39,7 +39,7 @@ def _restore(directory, template):
     return eqx.combine(restored, static)
 
 
-@pytest.mark.parametrize("kind", list(kinds(1, 1)))
+@pytest.mark.parametrize("kind", spread(kinds(1, 1)))
 def test_every_kind_round_trips_into_a_template(tmp_path, kind):
     build = kinds(4, 16)[kind]
     state = {"buffer": build(), "key": jax.random.key(3), "step": jnp.int32(0)}

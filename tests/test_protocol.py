@@ -15,6 +15,8 @@ import pytest
 
 import equibuffer as eb
 
+from .helpers import spread
+
 
 ROWS, T, LENGTH, CAP = 2, 4, 16, 16
 EXAMPLE = {
@@ -97,7 +99,7 @@ def _generic_step(buffer: eb.AbstractReplayBuffer, batch: Any, key: jax.Array) -
     return buffer, sample, buffer.can_sample(), buffer.size()
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", spread(KINDS))
 def test_generic_code_runs_on_every_buffer_kind(kind):
     buffer = KINDS[kind]()
     assert isinstance(buffer, eb.AbstractReplayBuffer) and isinstance(buffer, eb.AbstractSource)
@@ -155,7 +157,7 @@ def test_generic_prioritised_code_runs_on_every_prioritised_source(kind):
     assert float(prioritised.max_priority) == 3.0  # the priorities reached the buffer
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", spread(KINDS))
 def test_every_buffer_kind_is_rate_limited(kind):
     limited = eb.RateLimited(KINDS[kind](), samples_per_insert=0.5, tolerance=8.0)
 
@@ -176,7 +178,7 @@ def test_every_buffer_kind_is_rate_limited(kind):
             limited.set_priorities(sample, jnp.full(4, 2.0))
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", spread(KINDS))
 def test_every_buffer_kind_is_a_mixer_source(kind):
     """Two sources of each kind (the same kind: the rows are concatenated), one of them holding
     negated tags, so each row shows its source."""
@@ -241,7 +243,7 @@ def test_what_is_not_a_buffer_is_refused():
         eb.RateLimited(mixer, 1.0, 4.0)  # pyright: ignore[reportArgumentType]
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", spread(KINDS))
 def test_every_buffer_kind_counts_steps_added_inside_jit(kind):
     """`steps_added()` of every replay buffer (and of one rate-limited), read inside a jitted
     step as well as outside: the steps per row ever added, overwritten ones included."""
@@ -279,7 +281,7 @@ def as_users_run(monkeypatch):
     monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
 
 
-@pytest.mark.parametrize("kind", list(_sources()))
+@pytest.mark.parametrize("kind", spread(_sources()))
 def test_a_seed_or_a_batch_of_keys_is_refused_with_what_to_pass(kind, as_users_run):
     """`sample` and `epoch` take one PRNG key: a seed (eager or traced) or a batch of keys is
     refused at once, naming the method and what to pass; `jax.random.PRNGKey`'s raw keys

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import equibuffer as eb
 
 from . import mesh_kinds
+from .helpers import spread
 from .test_checks import host_waits
 
 
@@ -88,14 +89,14 @@ def _assert_same(before, after) -> None:
 
 
 @pytest.mark.parametrize("where", [_top_level, _in_scan], ids=["top_level", "scan_body"])
-@pytest.mark.parametrize("name", sorted(KINDS))
+@pytest.mark.parametrize("name", spread(sorted(KINDS)))
 def test_a_sample_that_is_not_returned_raises_from_the_checked_step(name, where):
     with pytest.raises(eqx.EquinoxRuntimeError, match=_message(name)) as caught:
         eb.filter_jit(where)(KINDS[name](), jax.random.key(0))
     assert np.isnan(caught.value.output)  # what the call returned: the loss of failed draws
 
 
-@pytest.mark.parametrize("name", sorted(KINDS))
+@pytest.mark.parametrize("name", spread(sorted(KINDS)))
 def test_plain_jit_shows_the_failure_in_the_loss(name):
     """Without `eb.filter_jit` nothing raises, but the loss computed from a sample that
     could not be drawn is NaN, for `eqx.filter_jit` and `jax.jit` alike."""
@@ -271,7 +272,7 @@ def test_a_rate_limiter_refuses_a_sample_past_its_bound():
 
 
 @pytest.mark.parametrize("bad", [np.nan, -1.0, np.inf])
-@pytest.mark.parametrize("name", sorted(PRIORITISED))
+@pytest.mark.parametrize("name", spread(sorted(PRIORITISED)))
 def test_a_bad_priority_changes_no_priority(name, bad):
     buffer = mesh_kinds.add(PRIORITISED[name](), mesh_kinds.batch(1, ROWS, t=8))
     sample = mesh_kinds.draw(buffer, jax.random.key(0), 4)
@@ -298,7 +299,7 @@ def test_a_failed_sample_sets_no_priority():
     _assert_same(filled, refused)
 
 
-@pytest.mark.parametrize("name", sorted(PRIORITISED))
+@pytest.mark.parametrize("name", spread(sorted(PRIORITISED)))
 def test_a_caught_refusal_leaves_buffers_that_go_on(name):
     """The failure the checked step raised is not raised again by the buffers in
     `error.output`: `eb.check` passes, they sample eagerly and are stepped again."""

@@ -41,7 +41,7 @@ from equibuffer.testing import (
     WindowView,
 )
 
-from .helpers import budget
+from .helpers import budget, spread
 
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -173,7 +173,7 @@ def test_examples_refuse_what_is_not_a_leaf():
 # --- buffer configurations --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.__name__)
+@pytest.mark.parametrize("kind", spread(KINDS), ids=lambda k: k.__name__)
 def test_every_kind_is_drawn_and_builds(kind):
     config = find(
         buffer_configs(),

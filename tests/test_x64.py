@@ -15,6 +15,8 @@ import pytest
 
 import equibuffer as eb
 
+from .helpers import spread
+
 
 ROWS, T = 2, 3
 EXAMPLE = {
@@ -152,7 +154,7 @@ def _add(state: Any, batch: dict) -> Any:
     return state.add(batch)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", spread(CASES))
 def test_a_jitted_step_keeps_every_dtype(name):
     make, draw = CASES[name]
 

@@ -104,6 +104,18 @@ def as_example_leaf(path: Sequence[Any], leaf: Any) -> jax.ShapeDtypeStruct:
             "arrays of numbers: store the key's data, jax.random.key_data(key) (uint32), and "
             "wrap what you sample back with jax.random.wrap_key_data."
         )
+    if not (jnp.issubdtype(leaf.dtype, jnp.number) or jnp.issubdtype(leaf.dtype, jnp.bool_)):
+        raise TypeError(
+            f"example leaf {keystr(path)} has dtype {np.dtype(leaf.dtype)} ({type(leaf).__name__}"
+            "); a buffer stores arrays of numbers or bools: encode strings or objects as "
+            "numbers (an index into a table of your own) and store those."
+        )
+    if 0 in tuple(leaf.shape):
+        raise ValueError(
+            f"example leaf {keystr(path)} has shape {tuple(leaf.shape)}: a dimension of size 0 "
+            "holds nothing; give the leaf the shape of one step (e.g. (3,) for 3 numbers) or "
+            "leave it out of the example."
+        )
     return jax.ShapeDtypeStruct(tuple(leaf.shape), jnp.dtype(leaf.dtype))
 
 

@@ -12,8 +12,9 @@ Budgets, two hypothesis profiles and one marker:
   `max_examples` gets `QUICK_EXAMPLES` too.
 - marker `thorough`: the costliest cases of a statistical or parametrised test, whose cheaper
   siblings keep proving the same property in the quick session; and the cases of a test run
-  for every kind of buffer but four spread over the list (`helpers.spread`). `nox -s tests` leaves them
-  out (`-m "not slow and not thorough and not examples"`); `nox -s tests-all` and CI run them.
+  for every kind of buffer but four spread over the list (`helpers.spread`). `nox -s tests`
+  leaves them out (`-m "not slow and not thorough and not examples"`); `nox -s tests-all` and
+  CI run them.
 - marker `examples`: the docs' code blocks and the docstring examples (tests/test_docs.py),
   which `nox -s docs` runs before building the site; `nox -s tests` leaves them out too.
 

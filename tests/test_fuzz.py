@@ -244,6 +244,34 @@ def test_a_size_past_int32_is_refused_by_name_before_allocating(argument):
             SIZED[argument](size)
 
 
+BAD_LEAVES = [
+    (np.array(["a", "b"]), TypeError, "has dtype <U1"),
+    (np.array([object(), object()]), TypeError, "has dtype object"),
+    (jnp.zeros((0,)), ValueError, r"has shape \(0,\): a dimension of size 0"),
+    (jnp.zeros((2, 0, 3)), ValueError, r"has shape \(2, 0, 3\): a dimension of size 0"),
+]
+CONSTRUCTORS = {
+    "item": lambda ex: eb.ItemBuffer(ex, add_batch_size=2, capacity=8),
+    "transition": lambda ex: eb.PrioritisedTransitionBuffer(ex, add_batch_size=2, capacity=8),
+    "queue": lambda ex: eb.Queue(ex, add_batch_size=2, sequence_length=2, max_length_time_axis=8),
+    "clustered": lambda ex: eb.ClusteredBuffer(
+        ex, add_batch_size=2, num_clusters=2, cluster_capacity=4, cluster_fn=lambda item: 0
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CONSTRUCTORS))
+@pytest.mark.parametrize("leaf,error,message", BAD_LEAVES, ids=["str", "object", "0", "2-0-3"])
+def test_an_example_leaf_that_holds_nothing_or_no_numbers_is_refused_by_name(
+    kind, leaf, error, message
+):
+    """Before, an example leaf of shape (0,) or (2, 0, 3) was accepted and the first `add` or
+    `sample` failed with `ZeroDivisionError`; strings and objects failed naming no leaf."""
+    example = {"reward": jnp.float32(0), "obs": leaf}
+    with pytest.raises(error, match=r"example leaf \['obs'\] " + message):
+        CONSTRUCTORS[kind](example)
+
+
 def teardown_module():
     for (name, message), n in sorted(TRIED.items()):
         print(f"test_fuzz: {name}: {n} bad set_priorities refused with '{message}'")

@@ -167,6 +167,38 @@ def check_dtype(where: str, path: Sequence[Any], got: Any, expected: Any) -> Non
         )
 
 
+def check_representable(where: str, path: Sequence[Any], x: Any, dtype: Any) -> None:
+    """NumPy data `x` that enters JAX as `dtype` (narrower: int64 -> int32, float64 ->
+    float32 without `jax_enable_x64`, as at a jit boundary) refused, naming the leaf, where a
+    value would not survive the conversion: an integer out of the range of `dtype`, or a
+    finite float past its largest value (which would become infinite). Inside jit JAX has
+    converted the data before any check sees it; here, where the library still sees the
+    user's NumPy array (an eager `add`, `Archive.append`), nothing is truncated in silence."""
+    if not isinstance(x, np.ndarray | np.generic) or x.dtype == dtype or x.size == 0:
+        return
+    if jnp.issubdtype(dtype, jnp.integer) and np.issubdtype(x.dtype, np.integer):
+        info, low, high = jnp.iinfo(dtype), int(np.min(x)), int(np.max(x))
+        if low < info.min or high > info.max:
+            bad = low if low < info.min else high
+            raise ValueError(
+                f"{where}: leaf {keystr(path)} holds {bad}, which {jnp.dtype(dtype).name} (the "
+                f"stored dtype, as JAX converts {x.dtype.name}) cannot hold: it would be "
+                f"truncated. Store it in a wider leaf (an int64 example needs "
+                f"jax_enable_x64), or pass values in [{info.min}, {info.max}]."
+            )
+    elif jnp.issubdtype(dtype, jnp.floating) and np.issubdtype(x.dtype, np.floating):
+        finite = np.ravel(x)[np.isfinite(np.ravel(x))]
+        largest = float(jnp.finfo(dtype).max)
+        if finite.size and float(np.max(np.abs(finite))) > largest:
+            value = float(finite[np.argmax(np.abs(finite))])
+            raise ValueError(
+                f"{where}: leaf {keystr(path)} holds {value!r}, past the "
+                f"largest {jnp.dtype(dtype).name} ({largest:.4g}, the stored dtype, as JAX "
+                f"converts {x.dtype.name}): it would become infinite. Scale it, or store it "
+                "in a wider leaf."
+            )
+
+
 # Flashbax's factory arguments that equibuffer has no constructor argument for, and what to pass
 # instead. A ported call that keeps one gets this, not Python's bare "unexpected keyword".
 FLASHBAX_ONLY = {

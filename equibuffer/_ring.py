@@ -13,6 +13,7 @@ from ._checks import (
     BARRIER_EXPANDED,
     check_dtype,
     check_positive_int,
+    check_representable,
     check_structure,
     keystr,
 )
@@ -449,6 +450,7 @@ def check_batch(
         # exactly what a jitted one does (where JAX has converted it before the check).
         dtype = x.dtype if isinstance(x, jax.Array) else jax.dtypes.canonicalize_dtype(x.dtype)
         check_dtype(where, path, dtype, stored.dtype)
+        check_representable(where, path, x, stored.dtype)
         steps, first_path = t, path
     return steps
 

@@ -272,6 +272,31 @@ def test_an_example_leaf_that_holds_nothing_or_no_numbers_is_refused_by_name(
         CONSTRUCTORS[kind](example)
 
 
+def test_numpy_data_is_taken_as_jax_converts_it_and_refused_where_it_would_change():
+    """NumPy `float64`/`int64` data go into `float32`/`int32` leaves as JAX converts them (at
+    any jit boundary, without x64); an eager `add`, which still sees the NumPy array, refuses
+    a value that conversion would change (before, `2**40 + 5` was stored truncated)."""
+    example = {"count": jnp.int32(0), "reward": jnp.float32(0)}
+    buffer = eb.ItemBuffer(example, add_batch_size=2, capacity=8)
+    good = {"count": np.array([1, -(2**31)], np.int64), "reward": np.array([0.5, 1e38])}
+    added = buffer.add(good)
+    stored = jax.tree.map(lambda x: np.asarray(x[:, 0]), added.storage.data)
+    np.testing.assert_array_equal(stored["count"], good["count"].astype(np.int32))
+    np.testing.assert_array_equal(stored["reward"], good["reward"].astype(np.float32))
+    assert eqx.filter_jit(lambda b, x: b.add(x))(buffer, good).storage.data["count"].dtype == (
+        jnp.int32
+    )
+    for bad, message in [
+        ({"count": np.array([1, 2**40 + 5])}, r"leaf \['count'\] holds 1099511627781, which int32"),
+        ({"count": np.array([-(2**31) - 1, 0])}, r"leaf \['count'\] holds -2147483649"),
+        ({"reward": np.array([1.0, -1e39])}, r"leaf \['reward'\] holds -1e\+39, past the largest"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            buffer.add({**good, **bad})
+    # Infinite and NaN values are what they are in either dtype: taken.
+    buffer.add({**good, "reward": np.array([np.inf, np.nan])})
+
+
 def teardown_module():
     for (name, message), n in sorted(TRIED.items()):
         print(f"test_fuzz: {name}: {n} bad set_priorities refused with '{message}'")

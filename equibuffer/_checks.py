@@ -43,6 +43,41 @@ def check_positive_int(where: str, name: str, value: Any, *, limit: int | None =
     return int(value)
 
 
+def as_sequence(where: str, name: str, value: Any, one: str) -> tuple:
+    """`value` as a tuple, refused naming `name` unless it is a sequence (a tuple, a list, a
+    1-d array) of `one` each (a buffer, a share)."""
+    try:
+        if isinstance(value, str | bytes):
+            raise TypeError
+        return tuple(value)
+    except TypeError:
+        simple = value is None or isinstance(value, str | bytes | int | float | np.generic)
+        got = repr(value) if simple else f"one {type(value).__name__}"
+        raise TypeError(
+            f"{where}: `{name}` must be a sequence (a tuple or a list) of {one} each, got "
+            f"{got}; for one, pass a tuple of one: `{name}=(x,)`."
+        ) from None
+
+
+def check_shares(where: str, name: str, values: Any, count: int, of: str) -> tuple[float, ...]:
+    """`values` checked to be `count` shares (one per `of`): a sequence of Python or NumPy
+    real numbers, each finite and `>= 0`, summing to 1 (within 1e-6); as floats."""
+    shares = as_sequence(where, name, values, f"floats, one per {of}")
+    if len(shares) != count:
+        raise ValueError(f"{where}: {len(shares)} {name} for {count} {of}s; give one each.")
+    for i, p in enumerate(shares):
+        if isinstance(p, bool | np.bool_) or not isinstance(
+            p, int | float | np.integer | np.floating
+        ):
+            raise TypeError(f"{where}: {name}[{i}] must be a Python float, got {p!r}.")
+        if not (math.isfinite(p) and p >= 0):
+            raise ValueError(f"{where}: {name}[{i}] must be finite and >= 0, got {p}.")
+    shares = tuple(float(p) for p in shares)
+    if abs(sum(shares) - 1.0) > 1e-6:
+        raise ValueError(f"{where}: {name} must sum to 1, got {shares} (sum {sum(shares)}).")
+    return shares
+
+
 def check_key(where: str, key: Any) -> Any:
     """`key` checked to be one JAX PRNG key: a typed key of shape `()` (`jax.random.key`) or a
     raw `uint32` key (`jax.random.PRNGKey`), concrete or traced. Returns it unchanged."""

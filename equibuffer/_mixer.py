@@ -13,7 +13,14 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree, Shaped
 from ._axes import in_blocks, on_auto_axes
 from ._buffers._epochs import no_epochs
 from ._buffers._samples import AbstractSample
-from ._checks import check_key, check_positive_int, keystr, refuse_flashbax_only
+from ._checks import (
+    as_sequence,
+    check_key,
+    check_positive_int,
+    check_shares,
+    keystr,
+    refuse_flashbax_only,
+)
 from ._custom_types import Beta, BoolScalar, IntScalar
 from ._errors import failure_in, first_failure, poisoned, recorded
 from ._protocol import AbstractPrioritisedSource, AbstractSource
@@ -146,7 +153,7 @@ class Mixer(AbstractPrioritisedSource):
         - `proportions`: one share per buffer, each `>= 0`, summing to 1 (within 1e-6).
         """
         where = "Mixer()"
-        buffers = tuple(buffers)
+        buffers = as_sequence(where, "buffers", buffers, "buffers")
         if not buffers:
             raise ValueError(f"{where}: give at least one buffer.")
         for i, b in enumerate(buffers):
@@ -155,20 +162,8 @@ class Mixer(AbstractPrioritisedSource):
                     f"{where}: buffers[{i}] is {type(b).__name__}, not a buffer (an "
                     "equibuffer.AbstractSource)."
                 )
-        props = tuple(proportions)
-        if len(props) != len(buffers):
-            raise ValueError(
-                f"{where}: {len(props)} proportions for {len(buffers)} buffers; give one each."
-            )
-        for i, p in enumerate(props):
-            if isinstance(p, bool) or not isinstance(p, int | float):
-                raise TypeError(f"{where}: proportions[{i}] must be a Python float, got {p!r}.")
-            if not (math.isfinite(p) and p >= 0):
-                raise ValueError(f"{where}: proportions[{i}] must be finite and >= 0, got {p}.")
-        if abs(sum(props) - 1.0) > 1e-6:
-            raise ValueError(f"{where}: proportions must sum to 1, got {props} (sum {sum(props)}).")
         self.buffers = buffers
-        self.proportions = tuple(float(p) for p in props)
+        self.proportions = check_shares(where, "proportions", proportions, len(buffers), "buffer")
 
     def counts(self, batch_size: int) -> tuple[int, ...]:
         """The number of rows each source gives to a batch of `batch_size` (static ints,

@@ -102,11 +102,14 @@ def bad_updates(draw, name: str):
     return np.array(indices, object), np.array(shift, np.uint32), np.array(priorities, np.float32)
 
 
-def _message(indices) -> str:
-    """The message the update is refused with: an index out of range is named first (a
-    Mixer sends its sources NaN priorities when one is bad; each source names its own
-    indices out of range first)."""
-    return OUT_OF_RANGE if any(i is not None for i in indices) else BAD_PRIORITY
+def _message(name: str, indices, priorities) -> str:
+    """The message the update is refused with: a source names an index out of range before a
+    bad priority. A Mixer with a bad priority sends every source NaN priorities: the first
+    source's message is raised, out of range only if its own rows (the first half) are."""
+    out = [i is not None for i in indices]
+    if name == "mixer" and not np.all(np.isfinite(priorities) & (priorities >= 0)):
+        out = out[: BATCH // 2]
+    return OUT_OF_RANGE if any(out) else BAD_PRIORITY
 
 
 def _set(buffer, sample, priorities):
@@ -124,7 +127,7 @@ def test_a_refused_set_priorities_changes_nothing(name, data):
     buffer, sample = _buffer_and_sample(name)
     indices, shift, priorities = data.draw(bad_updates(name))
     bad = _rewritten(sample, indices, shift)
-    message = _message(indices)
+    message = _message(name, indices, priorities)
     TRIED[name, message] += 1
     with pytest.raises(eqx.EquinoxRuntimeError, match=re.escape(message)):
         _set(buffer, bad, priorities)  # eagerly: raised at once
@@ -295,6 +298,33 @@ def test_numpy_data_is_taken_as_jax_converts_it_and_refused_where_it_would_chang
             buffer.add({**good, **bad})
     # Infinite and NaN values are what they are in either dtype: taken.
     buffer.add({**good, "reward": np.array([np.inf, np.nan])})
+
+
+def test_sequences_given_as_one_thing_are_refused_by_name(as_users_run):
+    """Before, `Mixer(buffers=one_buffer)` and a single float as `proportions` or `weights`
+    failed inside Python's `tuple()` ("object is not iterable"), naming no argument; a share
+    given as a string was taken by `float()`."""
+    one = ALL_KINDS["item"]()
+    with pytest.raises(
+        TypeError,
+        match=r"`buffers` must be a sequence .* got one ItemBuffer; for one, pass a tuple",
+    ):
+        eb.Mixer(one, proportions=(1.0,))
+    with pytest.raises(TypeError, match="`proportions` must be a sequence"):
+        eb.Mixer((one,), proportions=1.0)
+    with pytest.raises(TypeError, match="`proportions` must be a sequence"):
+        eb.Mixer((one,), proportions="1")
+    clustered = dict(add_batch_size=1, num_clusters=2, cluster_capacity=4, cluster_fn=lambda x: 0)
+    with pytest.raises(TypeError, match="`weights` must be a sequence"):
+        eb.ClusteredBuffer(EX, weights=0.5, **clustered)
+    with pytest.raises(TypeError, match=r"weights\[0\] must be a Python float, got '0.5'"):
+        eb.ClusteredBuffer(EX, weights=("0.5", "0.5"), **clustered)
+    with pytest.raises(ValueError, match="1 weights for 2 clusters; give one each"):
+        eb.ClusteredBuffer(EX, weights=(1.0,), **clustered)
+    assert eb.ClusteredBuffer(EX, weights=np.array([0.25, 0.75]), **clustered).weights == (
+        0.25,
+        0.75,
+    )
 
 
 def teardown_module():

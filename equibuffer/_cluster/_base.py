@@ -6,7 +6,6 @@ As for the ring buffers, a clustered buffer is a storage (`ClusterStorage`: the 
 a rule (`UniformInCluster`, `PrioritisedInCluster`: the state a draw needs).
 """
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -18,7 +17,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 from .._axes import on_auto_axes
 from .._buffers._base import AbstractRowBlocked
 from .._buffers._epochs import check_epoch, Epoch, epoch_batch_windows, shuffle_valid
-from .._checks import check_positive_int, check_row_blocks
+from .._checks import check_positive_int, check_row_blocks, check_shares
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar, StepCount
 from .._errors import error_if, record, recorded
 from .._protocol import AbstractReplayBuffer
@@ -47,13 +46,7 @@ def configure_clusters(
     if not callable(cluster_fn):
         raise TypeError(f"{where}: `cluster_fn` must be a function of one item.")
     if weights is not None:
-        weights = tuple(float(w) for w in weights)
-        if len(weights) != k:
-            raise ValueError(f"{where}: {len(weights)} weights for num_clusters={k}.")
-        if not all(math.isfinite(w) and w >= 0 for w in weights):
-            raise ValueError(f"{where}: weights must be finite and >= 0, got {weights}.")
-        if abs(sum(weights) - 1) > 1e-6:
-            raise ValueError(f"{where}: weights must sum to 1, got {weights}.")
+        weights = check_shares(where, "weights", weights, k, "cluster")
     storage = ClusterStorage(example, rows, k, cap)
     out = jax.eval_shape(cluster_fn, storage.item())
     if not hasattr(out, "dtype") or not jnp.issubdtype(out.dtype, jnp.integer) or out.shape != ():

@@ -341,24 +341,24 @@ class Mixer(AbstractPrioritisedSource):
             assert float(mixer.buffers[1].max_priority) == 2.0  # rows 2-3 went to source 1
             ```
         """
-        priorities = as_priorities("Mixer.set_priorities()", priorities)
+        new = as_priorities("Mixer.set_priorities()", priorities)
         batch = sample.source.shape[0]
-        if priorities.shape != (batch,):
+        if new.shape != (batch,):
             raise ValueError(
-                f"Mixer.set_priorities(): `priorities` has shape {priorities.shape}, expected "
+                f"Mixer.set_priorities(): `priorities` has shape {new.shape}, expected "
                 f"({batch},), one per row of the sample."
             )
         # One bad priority (or a failed sample) refuses the whole update, in every source: each
         # then gets NaN priorities, which it refuses with the message of a bad priority.
-        bad = jnp.any((priorities < 0) | ~jnp.isfinite(priorities)) | (sample.error != 0)
-        priorities = jnp.where(bad, jnp.nan, priorities.astype(jnp.float32))
+        bad = jnp.any((new < 0) | ~jnp.isfinite(new)) | (sample.error != 0)
+        new = jnp.where(bad, jnp.nan, new.astype(jnp.float32))
         # So does a source's own refusal (its indices out of range, as from another buffer's
         # sample): the routing is traced once to learn whether any source refuses (only the
         # checks of that pass are used, so jit keeps nothing else of it), then again with
         # NaN priorities everywhere if one does. Its failure is the first recorded.
-        _, refused = failure_in(lambda: self._routed(sample, priorities))
-        priorities = jnp.where(refused != 0, jnp.nan, priorities)
-        return eqx.tree_at(lambda m: m.buffers, self, self._routed(sample, priorities))
+        _, refused = failure_in(lambda: self._routed(sample, new))
+        new = jnp.where(refused != 0, jnp.nan, new)
+        return eqx.tree_at(lambda m: m.buffers, self, self._routed(sample, new))
 
     def _routed(self, sample: MixedSample, priorities: Float[Array, " batch"]) -> tuple:
         """Each prioritised source with `set_priorities` of its own rows of `sample`."""

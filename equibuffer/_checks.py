@@ -211,8 +211,9 @@ def check_representable(where: str, path: Sequence[Any], x: Any, dtype: Any) -> 
     user's NumPy array (an eager `add`, `Archive.append`), nothing is truncated in silence."""
     if not isinstance(x, np.ndarray | np.generic) or x.dtype == dtype or x.size == 0:
         return
+    x = np.asarray(x)
     if jnp.issubdtype(dtype, jnp.integer) and np.issubdtype(x.dtype, np.integer):
-        info, low, high = jnp.iinfo(dtype), int(np.min(x)), int(np.max(x))
+        info, low, high = jnp.iinfo(dtype), int(x.min()), int(x.max())
         if low < info.min or high > info.max:
             bad = low if low < info.min else high
             raise ValueError(

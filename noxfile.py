@@ -217,9 +217,9 @@ def precheck(session: nox.Session) -> None:
     """The checks that have failed CI after a green local run, in minutes: lint; pyright
     against both sets of releases CI checks (Python 3.11's and 3.13's: both must be found,
     e.g. `PYENV_VERSION=3.11.7:3.13.0`); the docs' examples and the strict site build (`nox
-    -s docs`); the tests of the files the change touched (see `tests_of`: every test of a
-    changed test file, the others' but those that start processes), at the quick budgets,
-    thorough cases included. Run it before every push: at most about 10 minutes on 2 cores.
+    -s docs`); the tests of the files the change touched (see `tests_of`), in `nox -s tests`'s
+    selection at its budgets. Run it before every push: about 10 minutes on 2 cores at most
+    (the tests of every file: the quick tier).
 
     `nox -s precheck -- --base REV` counts the change from `REV`; `nox -s precheck --
     tests/test_x.py ...` runs those tests instead of the touched ones."""
@@ -240,16 +240,12 @@ def precheck(session: nox.Session) -> None:
     session.log(f"changed since {base[:12]}: {len(files)} files")
     session.log(f"tests changed: {changed or 'none'}; of the modules changed: {touched or 'none'}")
     if changed or touched:
+        # At the quick tier's budgets and selection (`nox -s tests`): the slow and thorough
+        # cases of these files are left to `nox -s slow`, `nox -s tests-all` and CI, so that
+        # the whole check stays within about 10 minutes however wide the change.
         install(session, "tests")
-        quick = ["-n", "2", "--dist", "loadfile", "--hypothesis-profile", "quick"]
-        # Every test of a changed test file; of the others, those that start no process (the
-        # slow ones, minutes each: `nox -s slow`), so that the whole check stays in minutes.
-        selection = [*changed, *touched]
-        session.run(
-            "pytest", *quick, "-m", "not examples and not slow", *selection, success_codes=[0, 5]
-        )
-        if changed:
-            session.run("pytest", *quick, "-m", "slow", *changed, success_codes=[0, 5])
+        selection = [*QUICK, *changed, *touched]
+        session.run("pytest", "-n", "2", "--dist", "loadfile", *selection, success_codes=[0, 5])
 
 
 @nox.session(python=HERE)

@@ -208,7 +208,8 @@ def check_representable(where: str, path: Sequence[Any], x: Any, dtype: Any) -> 
     value would not survive the conversion: an integer out of the range of `dtype`, or a
     finite float past its largest value (which would become infinite). Inside jit JAX has
     converted the data before any check sees it; here, where the library still sees the
-    user's NumPy array (an eager `add`, `Archive.append`), nothing is truncated in silence."""
+    user's NumPy array (an eager `add`), nothing is truncated in silence. (`Archive.append`
+    takes the archive's dtypes exactly.)"""
     if not isinstance(x, np.ndarray | np.generic) or x.dtype == dtype or x.size == 0:
         return
     x = np.asarray(x)
@@ -223,7 +224,8 @@ def check_representable(where: str, path: Sequence[Any], x: Any, dtype: Any) -> 
                 f"jax_enable_x64), or pass values in [{info.min}, {info.max}]."
             )
     elif jnp.issubdtype(dtype, jnp.floating) and np.issubdtype(x.dtype, np.floating):
-        finite = np.ravel(x)[np.isfinite(np.ravel(x))]
+        flat = np.ravel(x)
+        finite = flat[np.isfinite(flat)]
         largest = float(jnp.finfo(dtype).max)
         if finite.size and float(np.max(np.abs(finite))) > largest:
             value = float(finite[np.argmax(np.abs(finite))])

@@ -207,7 +207,6 @@ def _on_error_jvp(primals: tuple, tangents: tuple, **kwargs: Any) -> tuple:
 # ---------------------------------------------------------------------- recorded failures
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
-_T = TypeVar("_T")
 
 
 def _carries(x: Any) -> bool:
@@ -254,17 +253,18 @@ def record(word: jax.Array) -> None:
         collected.append(jnp.asarray(word, jnp.uint32))
 
 
-def failure_in(fn: Callable[[], _T]) -> tuple[_T, jax.Array]:
-    """`fn()`, and the first failure recorded by the checks traced inside it (0 when none
-    failed, and wherever nothing is recorded: outside a `@recorded` method, or when
-    `EQX_ON_ERROR` is set). The failures stay recorded for the method being traced. (How a
-    `Mixer` learns that one source refused an update, so that every source refuses it.)"""
+def failure_in(fn: Callable[[], Any]) -> jax.Array:
+    """The first failure recorded by the checks traced inside `fn()` (0 when none failed,
+    and wherever nothing is recorded: outside a `@recorded` method, or when `EQX_ON_ERROR`
+    is set); what `fn` returns is dropped. The failures stay recorded for the method being
+    traced. (How a `Mixer` learns that one source refused an update, so that every source
+    refuses it.)"""
     collected = _COLLECTED.get()
     start = 0 if collected is None else len(collected)
-    out = fn()
+    fn()
     if collected is None or len(collected) == start:
-        return out, jnp.uint32(0)
-    return out, first_failure(*collected[start:])
+        return jnp.uint32(0)
+    return first_failure(*collected[start:])
 
 
 def first_failure(*words: ArrayLike) -> jax.Array:

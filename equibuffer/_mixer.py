@@ -356,7 +356,7 @@ class Mixer(AbstractPrioritisedSource):
         # sample): the routing is traced once to learn whether any source refuses (only the
         # checks of that pass are used, so jit keeps nothing else of it), then again with
         # NaN priorities everywhere if one does. Its failure is the first recorded.
-        _, refused = failure_in(lambda: self._routed(sample, new))
+        refused = failure_in(lambda: self._routed(sample, new))
         new = jnp.where(refused != 0, jnp.nan, new)
         return eqx.tree_at(lambda m: m.buffers, self, self._routed(sample, new))
 

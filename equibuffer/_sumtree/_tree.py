@@ -200,9 +200,9 @@ class SumTree(eqx.Module):
                 "infinite priority was given).",
             ],
         )
-        # Refused (recorded inside a buffer's method): no leaf changes.
-        safe = jnp.where(bad, 0, indices)
-        return self.write(safe, new, mask=jnp.broadcast_to(~bad, new.shape))
+        # Refused (recorded inside a buffer's method): no leaf changes (`write` sends every
+        # skipped entry, whatever its index, to a path it recomputes unchanged).
+        return self.write(indices, new, mask=jnp.broadcast_to(~bad, new.shape))
 
     def write(
         self,

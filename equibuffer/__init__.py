@@ -51,6 +51,7 @@ from ._cluster import (
     PrioritisedClusteredSample as PrioritisedClusteredSample,
 )
 from ._errors import check as check, filter_jit as filter_jit
+from ._frames import Frames as Frames
 from ._mixer import MixedSample as MixedSample, Mixer as Mixer
 from ._offline import (
     from_d4rl as from_d4rl,

@@ -5,7 +5,7 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from equinox.internal import unvmap_all
+from equinox.internal import unvmap_all, unvmap_any
 from jaxtyping import Array, ArrayLike, Bool, Int, PyTree, Shaped, UInt32
 
 from ._checks import (
@@ -18,7 +18,9 @@ from ._checks import (
     keystr,
 )
 from ._custom_types import Count, ExampleTree, ExperienceBatch, IntScalar, StepCount
+from ._episodes import ends_of
 from ._errors import cleared, error_if, first_failure, raise_recorded
+from ._frames import frame_at, Frames, leaf_position, stack_sources
 
 
 _TWO_32 = 1 << 32
@@ -58,6 +60,9 @@ class RingStorage(eqx.Module):
         `jax.ShapeDtypeStruct`s); the storage allocates zeros shaped `(rows, length, *leaf)`.
     - `rows`: the number of rows (typically the number of parallel environments).
     - `length`: the number of time steps kept per row.
+    - `frames`: an [`equibuffer.Frames`][] (its `episode_end` given), to store one frame per
+        step of a stacked observation leaf and build the stacks when steps are read
+        ([`equibuffer.RingStorage.take`][]); `example` then holds the stacked observation.
 
     !!! example
 
@@ -74,8 +79,11 @@ class RingStorage(eqx.Module):
     counters: UInt32[Array, "5"]
     rows: int = eqx.field(static=True)
     length: int = eqx.field(static=True)
+    frames: Frames | None = eqx.field(static=True)
 
-    def __init__(self, example: ExampleTree, rows: int, length: int):
+    def __init__(
+        self, example: ExampleTree, rows: int, length: int, *, frames: Frames | None = None
+    ):
         where = f"{type(self).__name__}()"
         self.rows = check_positive_int(where, "rows", rows)
         self.length = check_positive_int(where, "length", length)
@@ -84,6 +92,12 @@ class RingStorage(eqx.Module):
         leaves, treedef = jax.tree_util.tree_flatten_with_path(example)
         if not leaves:
             raise ValueError(f"{where}: `example` has no array leaves.")
+        if frames is not None:
+            if not isinstance(frames, Frames):
+                raise TypeError(f"{where}: `frames` must be an eb.Frames, got {frames!r}.")
+            frames = frames.checked(where, example)
+            leaves, treedef = jax.tree_util.tree_flatten_with_path(frames.stored(example))
+        self.frames = frames
         structs = [as_example_leaf(path, leaf) for path, leaf in leaves]
         # Each leaf is its own allocation: donation refuses one buffer donated twice.
         self.data = jax.tree_util.tree_unflatten(
@@ -190,6 +204,83 @@ class RingStorage(eqx.Module):
         """
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), self.data)
 
+    def stacked_example(self) -> PyTree[jax.ShapeDtypeStruct]:
+        """The shape and dtype of one step as it is read ([`equibuffer.RingStorage.take`][],
+        a sample): [`equibuffer.RingStorage.example`][], with the stack of `frames.k`
+        frames in place of the one stored frame when the ring stacks frames.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            example = {"obs": jnp.zeros((84, 84, 4), jnp.uint8), "done": jnp.bool_(False)}
+            frames = eb.Frames("obs", k=4, episode_end="done")
+            ring = eb.RingStorage(example, rows=2, length=8, frames=frames)
+            assert ring.example()["obs"].shape == (84, 84)  # one frame stored per step
+            assert ring.stacked_example()["obs"].shape == (84, 84, 4)
+            ```
+        """
+        example = self.example()
+        return example if self.frames is None else self.frames.stacked(example)
+
+    @property
+    def lookback(self) -> int:
+        """The number of earlier steps a step's read needs besides its own: `frames.k - 1`
+        when the ring stacks frames, else 0."""
+        return 0 if self.frames is None else self.frames.lookback
+
+    def take(self, flat: Int[Array, "*b"]) -> PyTree[Shaped[Array, "..."]]:
+        """The steps at the flat indices `row * length + slot` (any shape `*b`), leaves
+        `(*b, *leaf)`: every view's read of the ring. When the ring stacks frames, the
+        frames leaf of each step is the stack of its episode's last `k` frames
+        (see [`equibuffer.Frames`][]), `(*b, *stacked)`.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            example = {"obs": jnp.zeros(2), "done": jnp.bool_(False)}
+            ring = eb.RingStorage(example, rows=1, length=8,
+                                  frames=eb.Frames("obs", k=2, episode_end="done"))
+            done = jnp.array([[False, True, False]])  # episodes: steps 0-1, then 2
+            ring = ring.write({"obs": jnp.arange(3.0)[None, :, None] * jnp.ones(1),
+                               "done": done})
+            obs = ring.take(jnp.array([1, 2]))["obs"]  # (2 steps, 1 feature, k=2)
+            assert obs[:, 0].tolist() == [[0.0, 1.0], [2.0, 2.0]]  # step 2 starts its episode
+            ```
+        """
+
+        def plain(leaf: Array, at: Array) -> Array:
+            return leaf.reshape(-1, *leaf.shape[2:]).at[at].get(mode="promise_in_bounds")
+
+        frames = self.frames
+        if frames is None:
+            return jax.tree.map(lambda leaf: plain(leaf, flat), self.data)
+        length = self.length
+        row, slot = flat // length, flat % length
+        leaves, treedef = jax.tree.flatten(self.data)
+        i = leaf_position(self.data, frames.leaf)
+        out = [None if j == i else plain(leaf, flat) for j, leaf in enumerate(leaves)]
+        if frames.k == 1:
+            stacks = jnp.expand_dims(plain(leaves[i], flat), flat.ndim + frames.axis)
+        else:
+            back = jnp.arange(1, frames.k, dtype=flat.dtype).reshape(*(1,) * flat.ndim, -1)
+            before = row[..., None] * length + (slot[..., None] - back) % length
+            ends = ends_of(
+                frames.episode_end, jax.tree.map(lambda x: plain(x, before), self.data), before.ndim
+            )
+            offset = (slot - self.head + self.fill) % length
+            slots, inside = stack_sources(frames, slot, offset, ends)
+            stacks = plain(leaves[i], row[..., None] * length + slots % length)
+            if frames.padding == "zeros":
+                keep = inside.reshape(*inside.shape, *(1,) * (stacks.ndim - inside.ndim))
+                stacks = jnp.where(keep, stacks, jnp.zeros((), stacks.dtype))
+            stacks = jnp.moveaxis(stacks, flat.ndim, flat.ndim + frames.axis)
+        out[i] = stacks
+        return jax.tree.unflatten(treedef, out)
+
     def steps_added(self) -> int:
         """The count of steps ever added to each row, as a Python int (host side, not in jit).
 
@@ -248,7 +339,86 @@ class RingStorage(eqx.Module):
                 raise AssertionError("not refused")
             ```
         """
-        return check_batch(where, self.data, self.rows, batch)
+        return self._incoming(batch, where)[2]
+
+    def _incoming(self, batch: ExperienceBatch, where: str) -> tuple[Any, Any, int | None]:
+        """`(batch, older, T)`: the batch as stored (the newest frame of stacked
+        observations), the frame before it in each stack (None when the frames came single,
+        or none are stacked), and the steps per row, as `steps_in` returns them."""
+        frames = self.frames
+        if frames is None:
+            return batch, None, check_batch(where, self.data, self.rows, batch)
+        got = check_structure(where, jax.tree.structure(self.data), batch)
+        i = leaf_position(self.data, frames.leaf)
+        path, x = got[i]
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            return batch, None, check_batch(where, self.data, self.rows, batch)
+        stored = self.example()
+        frame = tuple(jax.tree.leaves(stored)[i].shape)
+        stack = tuple(jax.tree.leaves(frames.stacked(stored))[i].shape)
+        rows, shape = self.rows, tuple(x.shape)
+        fits = []
+        for stacked, leaf in ((True, stack), (False, frame)):
+            if shape == (rows, *leaf):
+                fits.append((stacked, None))
+            elif len(shape) == len(leaf) + 2 and shape[0] == rows and shape[2:] == leaf:
+                fits.append((stacked, shape[1]))
+        if not fits:
+
+            def at(t: str, leaf: tuple) -> str:
+                return (
+                    str((rows, *t.split(), *leaf))
+                    .replace("'", "")
+                    .replace("(", "(add_batch_size=", 1)
+                )
+
+            raise ValueError(
+                f"{where}: leaf {keystr(path)} has shape {shape}, expected stacked observations "
+                f"{at('', stack)} or {at('T', stack)}, or single frames {at('', frame)} or "
+                f"{at('T', frame)} (eb.Frames: one frame per step is stored)."
+            )
+        if len(fits) > 1:  # (ambiguous shapes: the other leaves say how many steps)
+            others = [
+                (tuple(y.shape), tuple(s.shape))
+                for j, ((_, y), s) in enumerate(zip(got, jax.tree.leaves(stored), strict=True))
+                if j != i and hasattr(y, "shape")
+            ]
+            if others:
+                y, s = others[0]
+                t_other = None if y == (rows, *s) else (y[1] if len(y) > 1 else None)
+                fits = [f for f in fits if f[1] == t_other] or fits
+        stacked, t = fits[0]
+        older = None
+        if stacked:
+            dims = 1 if t is None else 2
+            newest = frame_at(x, dims, frames.axis, frames.k - 1)
+            if frames.k > 1:
+                older = frame_at(x, dims, frames.axis, frames.k - 2)
+            leaves, treedef = jax.tree.flatten(batch)
+            leaves[i] = newest
+            batch = jax.tree.unflatten(treedef, leaves)
+        return batch, older, check_batch(where, self.data, self.rows, batch)
+
+    def _stale(self, batch: Any, older: Array, where: str) -> Bool[Array, ""]:
+        """Whether the frame before the newest in any added stack (`older`, `(rows, T,
+        *frame)`) differs from the one the ring holds for that row: its newest frame before
+        the batch (or the batch's previous step), or the episode's padding at an episode's
+        first step."""
+        frames = self.frames
+        assert frames is not None
+        i = leaf_position(self.data, frames.leaf)
+        newest = jnp.asarray(jax.tree.leaves(batch)[i])
+        last = (self.head - 1) % self.length
+        held = jax.tree.map(lambda x: x[:, last], self.data)
+        first = (self.count_lo == 0) & (self.count_hi == 0)
+        prev = jnp.concatenate([jax.tree.leaves(held)[i][:, None], newest[:, :-1]], axis=1)
+        ends = ends_of(frames.episode_end, jax.tree.map(jnp.asarray, batch), 2)
+        start = ends_of(frames.episode_end, held, 1) | first
+        starts = jnp.concatenate([start[:, None], ends[:, :-1]], axis=1)
+        pad = newest if frames.padding == "reset" else jnp.zeros_like(newest)
+        starts = starts.reshape(*starts.shape, *(1,) * (newest.ndim - 2))
+        expected = jnp.where(starts, pad, prev)
+        return unvmap_any(jnp.any(jnp.asarray(older) != expected))
 
     def write(self, batch: ExperienceBatch, where: str = "add()") -> "RingStorage":
         """Append one step (leaves `(rows, *leaf)`) or `T` steps (leaves `(rows, T, *leaf)`)
@@ -311,10 +481,28 @@ class RingStorage(eqx.Module):
             assert appended.steps["x"].tolist() == [[2.0, 3.0, 4.0]]
             ```
         """
-        t = self.steps_in(batch, where)
+        batch, older, t = self._incoming(batch, where)
         if t is None:
             batch = jax.tree.map(lambda x: jnp.asarray(x)[:, None], batch)
+            older = None if older is None else jnp.asarray(older)[:, None]
             t = 1
+        stale = None
+        if older is not None:
+            stale = self._stale(batch, older, where)
+            f = self.frames
+            assert f is not None
+            stale = error_if(
+                stale,
+                stale,
+                f"{where}: the stacked observations [{f.leaf!r}] disagree with the frames the "
+                f"buffer holds: frame {f.k - 2} of a stack (k={f.k}, axis={f.axis}) is not the "
+                "row's previous frame (nor, at an episode's first step, the padding="
+                f"{f.padding!r} frame). Stack the leaf that holds the frames, add the rows in "
+                "the same order every time, give the episode ends the environment saw, and the "
+                "padding it uses; or add single frames. The add was refused: nothing stored "
+                "changed.",
+            )
+            refused = stale if refused is None else jnp.asarray(refused) | stale
         length = self.length
         keep = min(t, length)
         start = (self.head + (t - keep)) % length
@@ -466,6 +654,11 @@ def check_like(where: str, ring: RingStorage, other: Any) -> RingStorage:
             f"{where}: the storage has rows={other.rows} and length={other.length}, the buffer "
             f"add_batch_size={ring.rows} and max_length_time_axis={ring.length}; give a "
             "storage of the buffer's own sizes (e.g. one made from `buffer.storage`)."
+        )
+    if other.frames != ring.frames:
+        raise ValueError(
+            f"{where}: the storage stacks frames as {other.frames!r}, the buffer as "
+            f"{ring.frames!r}; give a storage made with the buffer's own `frames`."
         )
     got = check_structure(where, jax.tree.structure(ring.data), other.data)
     for (path, x), stored in zip(got, jax.tree.leaves(ring.data), strict=True):

@@ -15,6 +15,7 @@ import equinox as eqx
 from jaxtyping import Array, Bool, Int
 
 from .._custom_types import ExampleTree
+from .._frames import Frames
 from .._ring import RingStorage
 from .._sumtree import SumTree
 from ..rules._base import AbstractPrioritisedRule, AbstractUniformRule
@@ -130,6 +131,7 @@ class EpisodeTrajectoryBuffer(AbstractUniformBuffer, RuleEpisodes):
         period: int = 1,
         episode_end: EpisodeEnd = "done",
         mode: Mode = "never_cross",
+        frames: Frames | None = None,
         **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
@@ -147,7 +149,7 @@ class EpisodeTrajectoryBuffer(AbstractUniformBuffer, RuleEpisodes):
         view = window_view(where, sequence_length)
         rule = episodic(where, episode_end, mode)
         self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
-            where, example, add_batch_size, sizes, rule, view, period=period
+            where, example, add_batch_size, sizes, rule, view, period=period, frames=frames
         )
 
     @property
@@ -212,6 +214,7 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer, RuleEpisodes
         episode_end: EpisodeEnd = "done",
         mode: Mode = "never_cross",
         alpha: float = 0.6,
+        frames: Frames | None = None,
         **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
@@ -225,7 +228,7 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer, RuleEpisodes
         view = window_view(where, sequence_length)
         rule = prioritised_episodic(where, episode_end, mode, alpha)
         self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
-            where, example, add_batch_size, sizes, rule, view, period=period
+            where, example, add_batch_size, sizes, rule, view, period=period, frames=frames
         )
 
     @property

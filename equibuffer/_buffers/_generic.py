@@ -14,8 +14,10 @@ import equinox as eqx
 
 from .._checks import check_positive_int
 from .._custom_types import ExampleTree
+from .._frames import Frames
 from .._ring import RingStorage
 from ..rules._base import AbstractRule, AbstractUniformRule
+from ..rules._episode_ends import EpisodeEnds
 from ..rules._uniform import UNIFORM
 from ..views._base import AbstractView
 from ._base import AbstractUniformBuffer
@@ -36,19 +38,27 @@ def compose(
     *,
     period: int = 1,
     flat: bool = False,
+    frames: Frames | None = None,
 ) -> tuple[RingStorage, _R, AbstractView, int, int]:
     """A composed buffer's parts, built and checked, in the order of its fields (what each
     constructor assigns: `self.storage, self.rule, ... = compose(...)`): the ring sized by
-    `sizes` (a constructor's `**sizes`, checked), `view` checked against it, `rule` sized to
-    it (once), the period and the steps per row before sampling (one window of the view at
-    least). Errors start with `where`; `flat` marks the buffers whose Flashbax counterpart is
-    flat or item-shaped (see `equibuffer.Sizes`)."""
+    `sizes` (a constructor's `**sizes`, checked) and stacking `frames` when given, `view`
+    checked against it, `rule` sized to it (once), the period and the steps per row before
+    sampling (one window of the view at least). Errors start with `where`; `flat` marks the
+    buffers whose Flashbax counterpart is flat or item-shaped (see `equibuffer.Sizes`)."""
     if not isinstance(view, AbstractView):
         raise TypeError(
             f"{where}: `view` must be an equibuffer.views.AbstractView, got {type(view).__name__}."
         )
     given = SizeArgs.of(where, sizes)
-    storage = given.storage(where, example, add_batch_size, flat=flat)
+    if frames is not None:
+        if not isinstance(frames, Frames):
+            raise TypeError(f"{where}: `frames` must be an eb.Frames, got {frames!r}.")
+        # The frames take the rule's episode ends, where it has them (stated once).
+        episodes = getattr(rule, "episodes", None)
+        rule_end = episodes.episode_end if isinstance(episodes, EpisodeEnds) else None
+        frames = frames.checked(where, example, rule_end)
+    storage = given.storage(where, example, add_batch_size, flat=flat, frames=frames)
     view = view.checked(where, storage)
     period = check_positive_int(where, "period", period)
     minimum = given.min_length_time_axis_for(
@@ -122,6 +132,7 @@ class Buffer(AbstractUniformBuffer):
         view: AbstractView,
         rule: AbstractRule = UNIFORM,
         period: int = 1,
+        frames: Frames | None = None,
         **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
@@ -145,5 +156,5 @@ class Buffer(AbstractUniformBuffer):
         where = "Buffer()"
         rule = check_rule(where, rule, AbstractUniformRule, "eb.PrioritisedBuffer")
         self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
-            where, example, add_batch_size, sizes, rule, view, period=period
+            where, example, add_batch_size, sizes, rule, view, period=period, frames=frames
         )

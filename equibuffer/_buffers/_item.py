@@ -3,6 +3,7 @@ from typing import Unpack
 import equinox as eqx
 
 from .._custom_types import ExampleTree
+from .._frames import Frames
 from .._ring import RingStorage
 from ..rules._base import AbstractUniformRule
 from ..rules._uniform import UNIFORM
@@ -41,6 +42,7 @@ class ItemBuffer(AbstractUniformBuffer):
         example: ExampleTree,
         *,
         add_batch_size: int,
+        frames: Frames | None = None,
         **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
@@ -54,5 +56,5 @@ class ItemBuffer(AbstractUniformBuffer):
         """
         where = "ItemBuffer()"
         self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
-            where, example, add_batch_size, sizes, UNIFORM, ItemView(), flat=True
+            where, example, add_batch_size, sizes, UNIFORM, ItemView(), flat=True, frames=frames
         )

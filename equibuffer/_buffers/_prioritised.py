@@ -9,6 +9,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 from .._axes import in_blocks, on_auto_axes
 from .._custom_types import Beta, ExampleTree, Steps
 from .._errors import recorded
+from .._frames import Frames
 from .._protocol import AbstractPrioritisedSource
 from .._ring import RingStorage
 from .._sumtree import SumTree
@@ -259,6 +260,7 @@ class PrioritisedBuffer(AbstractPrioritisedBuffer):
         view: AbstractView,
         rule: AbstractRule,
         period: int = 1,
+        frames: Frames | None = None,
         **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
@@ -273,7 +275,7 @@ class PrioritisedBuffer(AbstractPrioritisedBuffer):
         where = "PrioritisedBuffer()"
         rule = check_rule(where, rule, AbstractPrioritisedRule, "eb.Buffer")
         self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
-            where, example, add_batch_size, sizes, rule, view, period=period
+            where, example, add_batch_size, sizes, rule, view, period=period, frames=frames
         )
 
 
@@ -315,6 +317,7 @@ class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
         sequence_length: int,
         period: int = 1,
         alpha: float = 0.6,
+        frames: Frames | None = None,
         **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
@@ -327,7 +330,14 @@ class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
         where = "PrioritisedTrajectoryBuffer()"
         view = window_view(where, sequence_length)
         self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
-            where, example, add_batch_size, sizes, prioritised(where, alpha), view, period=period
+            where,
+            example,
+            add_batch_size,
+            sizes,
+            prioritised(where, alpha),
+            view,
+            period=period,
+            frames=frames,
         )
 
 
@@ -372,6 +382,7 @@ class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
         truncated: str | None = "truncated",
         episode_end: EpisodeEnd | None = None,
         mode: Mode = "never_cross",
+        frames: Frames | None = None,
         **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
@@ -390,7 +401,7 @@ class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
             else prioritised_episodic(where, episode_end, mode, alpha)
         )
         self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
-            where, example, add_batch_size, sizes, rule, view, flat=True
+            where, example, add_batch_size, sizes, rule, view, flat=True, frames=frames
         )
 
 
@@ -425,6 +436,7 @@ class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
         *,
         add_batch_size: int,
         alpha: float = 0.6,
+        frames: Frames | None = None,
         **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
@@ -434,5 +446,12 @@ class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
         """
         where = "PrioritisedItemBuffer()"
         self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
-            where, example, add_batch_size, sizes, prioritised(where, alpha), ItemView(), flat=True
+            where,
+            example,
+            add_batch_size,
+            sizes,
+            prioritised(where, alpha),
+            ItemView(),
+            flat=True,
+            frames=frames,
         )

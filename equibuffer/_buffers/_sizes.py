@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, TypedDict
 
 from .._checks import check_positive_int, FLASHBAX_ONLY, flashbax_only_error
 from .._custom_types import ExampleTree
+from .._frames import Frames
 from .._ring import RingStorage
 
 
@@ -121,11 +122,17 @@ class SizeArgs(NamedTuple):
         return cls(**sizes)
 
     def storage(
-        self, where: str, example: ExampleTree, add_batch_size: int, *, flat: bool
+        self,
+        where: str,
+        example: ExampleTree,
+        add_batch_size: int,
+        *,
+        flat: bool,
+        frames: Frames | None = None,
     ) -> RingStorage:
-        """The ring of `add_batch_size` rows, sized by the arguments."""
+        """The ring of `add_batch_size` rows, sized by the arguments (stacking `frames`)."""
         rows = check_positive_int(where, "add_batch_size", add_batch_size)
-        return RingStorage(example, rows, self._ring_length(where, rows, flat))
+        return RingStorage(example, rows, self._ring_length(where, rows, flat), frames=frames)
 
     def _ring_length(self, where: str, rows: int, flat: bool) -> int:
         """The steps held per row, from exactly one size argument.

@@ -3,6 +3,7 @@ from typing import Unpack
 import equinox as eqx
 
 from .._custom_types import ExampleTree
+from .._frames import Frames
 from .._ring import RingStorage
 from ..rules._base import AbstractUniformRule
 from ..rules._uniform import UNIFORM
@@ -47,6 +48,7 @@ class TrajectoryBuffer(AbstractUniformBuffer):
         add_batch_size: int,
         sequence_length: int,
         period: int = 1,
+        frames: Frames | None = None,
         **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
@@ -71,4 +73,5 @@ class TrajectoryBuffer(AbstractUniformBuffer):
             UNIFORM,
             window_view(where, sequence_length),
             period=period,
+            frames=frames,
         )

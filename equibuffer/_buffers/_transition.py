@@ -3,6 +3,7 @@ from typing import Unpack
 import equinox as eqx
 
 from .._custom_types import ExampleTree
+from .._frames import Frames
 from .._ring import RingStorage
 from ..rules._base import AbstractUniformRule
 from ..rules._episode_ends import EpisodeEnd, Mode
@@ -76,6 +77,7 @@ class TransitionBuffer(AbstractUniformBuffer):
         truncated: str | None = "truncated",
         episode_end: EpisodeEnd | None = None,
         mode: Mode = "never_cross",
+        frames: Frames | None = None,
         **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
@@ -106,7 +108,7 @@ class TransitionBuffer(AbstractUniformBuffer):
         view = transition_view(where, n_step, discount, reward, terminated, truncated)
         rule = UNIFORM if episode_end is None else episodic(where, episode_end, mode)
         self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
-            where, example, add_batch_size, sizes, rule, view, flat=True
+            where, example, add_batch_size, sizes, rule, view, flat=True, frames=frames
         )
 
 

@@ -38,8 +38,17 @@ def configure_clusters(
     cluster_capacity: int,
     cluster_fn: Any,
     weights: Sequence[float] | None,
+    frames: Any = None,
 ) -> tuple[ClusterStorage, tuple[float, ...] | None]:
-    """The storage of a clustered buffer and its cluster weights, every argument checked."""
+    """The storage of a clustered buffer and its cluster weights, every argument checked
+    (`frames` refused: a cluster keeps no time order)."""
+    if frames is not None:
+        raise TypeError(
+            f"{where}: a clustered buffer refuses `frames`: its items keep no time order (a "
+            "cluster holds items of any step, from any row), so no item has the previous "
+            "frames a stack is built from. Store the stacked observation whole here, or use a "
+            "ring buffer (TransitionBuffer, TrajectoryBuffer, ...) with `frames=`."
+        )
     rows = check_positive_int(where, "add_batch_size", add_batch_size)
     k = check_positive_int(where, "num_clusters", num_clusters)
     cap = check_positive_int(where, "cluster_capacity", cluster_capacity)

@@ -73,6 +73,7 @@ class ClusteredBuffer(AbstractClusteredBuffer[UniformInCluster]):
         cluster_capacity: int,
         cluster_fn: Callable[[Any], Any],
         weights: Sequence[float] | None = None,
+        frames: Any = None,
     ):
         """**Arguments:**
 
@@ -86,6 +87,8 @@ class ClusteredBuffer(AbstractClusteredBuffer[UniformInCluster]):
             [`equibuffer.check`][]).
         - `weights`: the probability of drawing each cluster (non-negative, summing to 1),
             renormalised over the clusters holding items; default uniform over them.
+        - `frames`: refused, saying why: a cluster keeps no time order, so frames cannot be
+            stored once here (see [`equibuffer.Frames`][]).
         """
         self.storage, self.weights = configure_clusters(
             "ClusteredBuffer()",
@@ -95,6 +98,7 @@ class ClusteredBuffer(AbstractClusteredBuffer[UniformInCluster]):
             cluster_capacity,
             cluster_fn,
             weights,
+            frames,
         )
         self.cluster_fn = cluster_fn
         self.rule = UniformInCluster()
@@ -211,18 +215,26 @@ class PrioritisedClusteredBuffer(
         cluster_fn: Callable[[Any], Any],
         weights: Sequence[float] | None = None,
         alpha: float = 0.6,
+        frames: Any = None,
     ):
         """**Arguments:**
 
         - `example`, `add_batch_size`, `num_clusters`, `cluster_capacity`, `cluster_fn`,
-            `weights`: as for [`equibuffer.ClusteredBuffer`][]; a cluster's weight is
+            `weights`, `frames`: as for [`equibuffer.ClusteredBuffer`][]; a cluster's weight is
             renormalised over the clusters holding an item of positive priority.
         - `alpha`: the priority exponent, `>= 0`: 0 is uniform over each cluster's items of
             positive priority, 1 fully proportional. Default 0.6 (Schaul et al.).
         """
         where = "PrioritisedClusteredBuffer()"
         self.storage, self.weights = configure_clusters(
-            where, example, add_batch_size, num_clusters, cluster_capacity, cluster_fn, weights
+            where,
+            example,
+            add_batch_size,
+            num_clusters,
+            cluster_capacity,
+            cluster_fn,
+            weights,
+            frames,
         )
         self.cluster_fn = cluster_fn
         self.rule = PrioritisedInCluster(

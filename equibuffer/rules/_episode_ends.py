@@ -2,69 +2,25 @@
 reads them (`never_cross`: no end before a window's last step; `pad`: windows cut at the end,
 masked past it). A component of the episode-aware rules (`Episodic`, `PrioritisedEpisodic`)."""
 
-from collections.abc import Callable, Mapping
-from typing import Any, cast, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, PyTree, Shaped
 
-from .._checks import keystr
 from .._custom_types import Indices
+from .._episodes import (
+    check_episode_end as check_episode_end,
+    check_episode_end_kind as check_episode_end_kind,
+    ends_of,
+    EpisodeEnd as EpisodeEnd,
+)
 from .._ring import Appended, RingStorage
 from ._request import Window
 from ._valid import held_on_period, offset_slots, window_offsets, window_steps
 
 
-# A leaf name, or `step -> 0-d bool` (its output is checked at construction, with a message).
-EpisodeEnd: TypeAlias = str | Callable[[PyTree[Shaped[Array, "..."]]], Any]
 Mode: TypeAlias = Literal["never_cross", "pad"]
-
-
-def check_episode_end_kind(where: str, episode_end: Any) -> EpisodeEnd:
-    """`episode_end`, checked to be a leaf's name or a function (what a rule is built from;
-    `check_episode_end` checks it against the example when a buffer sizes the rule)."""
-    if not isinstance(episode_end, str) and not callable(episode_end):
-        raise TypeError(
-            f"{where}: `episode_end` must be the name of a boolean leaf or a function "
-            f"`step -> bool`, got {episode_end!r}."
-        )
-    return cast(EpisodeEnd, episode_end)
-
-
-def check_episode_end(where: str, example: Any, episode_end: Any) -> EpisodeEnd:
-    """Validate `episode_end` against the example (a tree of `jax.ShapeDtypeStruct`s)."""
-    episode_end = check_episode_end_kind(where, episode_end)
-    if isinstance(episode_end, str):
-        if not isinstance(example, Mapping) or episode_end not in example:
-            leaves = jax.tree_util.tree_flatten_with_path(example)[0]
-            names = ", ".join(keystr(p) for p, _ in leaves)
-            raise ValueError(
-                f"{where}: `episode_end={episode_end!r}` names no top-level leaf of the example "
-                f"(its leaves are {names}). Name a boolean 0-d leaf of a dict example, or pass "
-                "a function `step -> bool`, e.g. `lambda s: s['terminated'] | s['truncated']`."
-            )
-        leaf = example[episode_end]
-        shape, dtype = tuple(leaf.shape), jnp.dtype(leaf.dtype)
-        if shape != () or dtype != jnp.bool_:
-            raise TypeError(
-                f"{where}: the episode-end leaf [{episode_end!r}] must be a 0-d bool "
-                f"(e.g. jnp.bool_(False)), got shape {shape} and dtype {dtype.name}. Store "
-                "`terminated | truncated` as a bool, or pass a function `step -> bool`."
-            )
-        return episode_end
-    out = jax.eval_shape(episode_end, example)
-    if not hasattr(out, "shape") or tuple(out.shape) != () or jnp.dtype(out.dtype) != jnp.bool_:
-        got = (
-            f"shape {tuple(out.shape)} and dtype {jnp.dtype(out.dtype).name}"
-            if hasattr(out, "shape")
-            else repr(out)
-        )
-        raise TypeError(
-            f"{where}: the `episode_end` function must return a 0-d bool for one step, got {got}."
-        )
-    return cast(EpisodeEnd, episode_end)
 
 
 def check_mode(where: str, mode: Any) -> Mode:
@@ -87,9 +43,7 @@ class EpisodeEnds(eqx.Module):
 
     def of(self, steps: PyTree[Shaped[Array, "rows time ..."]]) -> Bool[Array, "rows time"]:
         """The episode-end flag of every step of a `(rows, time, *leaf)` tree."""
-        if isinstance(self.episode_end, str):
-            return steps[self.episode_end]
-        return jax.vmap(jax.vmap(self.episode_end))(steps)
+        return ends_of(self.episode_end, steps, 2)
 
     def written(self, storage: RingStorage, appended: Appended) -> "EpisodeEnds":
         """The flags with those of the steps just written."""

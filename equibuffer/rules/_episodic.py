@@ -22,7 +22,13 @@ from ._episode_ends import (
     new_episode_ends,
 )
 from ._request import Drawn, Request, Window
-from ._valid import changed_offsets, flat_indices, start_steps, window_offsets
+from ._valid import (
+    changed_offsets,
+    flat_indices,
+    lookback_offsets,
+    start_steps,
+    window_offsets,
+)
 
 
 # Uniform episode leaves hold 0 or 1 and every node an integer count, exact in float32 up to
@@ -101,6 +107,7 @@ class Episodic(AbstractUniformRule):
     def added(self, storage: RingStorage, appended: Appended, window: Window) -> "Episodic":
         episodes = self.episodes.written(storage, appended)
         offsets = changed_offsets(storage, appended.keep, window.length)
+        offsets = jnp.concatenate([offsets, lookback_offsets(storage, offsets)])
         return self._rated(storage, episodes, offsets, window, appended.refused)
 
     def updated(

@@ -16,6 +16,7 @@ from ._request import Drawn, Request, Update, Window
 from ._valid import (
     changed_offsets,
     flat_indices,
+    lookback_offsets,
     offset_slots,
     still_held,
     window_offsets,
@@ -73,11 +74,19 @@ class Prioritised(ByTheCounters, AbstractPrioritisedRule):
         rows, length = storage.rows, storage.length
         offsets = changed_offsets(storage, appended.keep, window.length)
         m = offsets.shape[0]
+        # With frames, also the starts after the newest step, which an add may have made
+        # invalid (their frames written over) but never valid anew: kept, or 0.
+        offsets = jnp.concatenate([offsets, lookback_offsets(storage, offsets)])
         valid = windows_held(storage, offsets, window.length, window.period)
         fresh = self.max_priority**self.alpha
-        values = jnp.broadcast_to(jnp.where(valid, fresh, 0.0), (rows, m)).reshape(-1)
-        slots = (storage.head - m + jnp.arange(m, dtype=jnp.int32)) % length  # (m <= length)
+        slots = offset_slots(storage, offsets)  # (each slot once)
         indices = flat_indices(rows, length, slots)
+        if offsets.shape[0] == m:
+            values = jnp.broadcast_to(jnp.where(valid, fresh, 0.0), (rows, m)).reshape(-1)
+        else:
+            kept = self.tree.read(indices).reshape(rows, -1)
+            new = jnp.arange(offsets.shape[0]) < m
+            values = jnp.where(valid, jnp.where(new, fresh, kept), 0.0).reshape(-1)
         mask = unless(appended.refused, values)
         tree = self.tree.write(indices, values, mask=mask, unique_indices=True)
         return eqx.tree_at(lambda r: r.tree, self, tree)

@@ -22,7 +22,7 @@ from ._episode_ends import (
     new_episode_ends,
 )
 from ._request import Drawn, Request, Update, Window
-from ._valid import changed_offsets, flat_indices, still_held
+from ._valid import changed_offsets, flat_indices, lookback_offsets, still_held
 
 
 class PrioritisedEpisodic(AbstractPrioritisedRule):
@@ -126,6 +126,9 @@ class PrioritisedEpisodic(AbstractPrioritisedRule):
         offsets = changed_offsets(storage, appended.keep, window.length)
         m = offsets.shape[0]
         overwritten = jnp.arange(m) >= m - appended.keep
+        front = lookback_offsets(storage, offsets)  # (none overwritten)
+        offsets = jnp.concatenate([offsets, front])
+        overwritten = jnp.concatenate([overwritten, jnp.zeros(front.shape, jnp.bool_)])
         return self._rated(storage, episodes, offsets, overwritten, window, appended.refused)
 
     def updated(

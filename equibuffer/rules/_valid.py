@@ -46,7 +46,19 @@ def window_layout(
     """`(first, count)`: the offset from the oldest held step of the first valid window start,
     and the number of valid windows per row (`span_layout` of the ring's held steps)."""
     oldest_phase = (storage.count_mod(period) - storage.fill % period) % period
-    return span_layout(oldest_phase, storage.fill, sequence_length, period)
+    b = storage.lookback
+    if b == 0:
+        return span_layout(oldest_phase, storage.fill, sequence_length, period)
+    # A ring that stacks frames: once it has written over a step, the oldest `b` held steps
+    # may have lost frames of their stacks, and no window starts there (a function of the
+    # counters, as `can_sample()` must be). Before, every held step has its frames: the
+    # first step ever starts an episode.
+    wrapped = (storage.count_hi != 0) | (storage.count_lo != storage.fill.astype(jnp.uint32))
+    skip = jnp.where(wrapped, b, 0)
+    first, count = span_layout(
+        (oldest_phase + skip) % period, storage.fill - skip, sequence_length, period
+    )
+    return first + skip, count
 
 
 def window_at(
@@ -121,6 +133,16 @@ def changed_offsets(storage: RingStorage, keep: int, sequence_length: int) -> In
     capped at `length` so that no slot is named twice. The last `keep` are the new steps."""
     m = min(keep + sequence_length - 1, storage.length)
     return storage.fill - m + jnp.arange(m, dtype=jnp.int32)
+
+
+def lookback_offsets(storage: RingStorage, changed: Int[Array, " m"]) -> Int[Array, " f"]:
+    """The offsets of the window starts whose status an add may have changed besides the
+    `changed` ones (`changed_offsets`), when the ring stacks frames: the `frames.k - 1`
+    slots after the newest step (the oldest held steps once the ring is full: an add that
+    writes over steps takes their frames from the stacks of the steps after them), at
+    their true offsets, capped so that no slot is named twice. Empty without frames."""
+    f = min(storage.lookback, storage.length - changed.shape[0])
+    return (storage.fill + jnp.arange(f, dtype=jnp.int32)) % storage.length
 
 
 def offset_slots(storage: RingStorage, offsets: Int[Array, "*b"]) -> Int[Array, "*b"]:

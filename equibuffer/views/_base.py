@@ -101,7 +101,11 @@ def gather_by_blocks(
     local = indices.reshape(blocks, -1)
     local = local - (jnp.arange(blocks, dtype=local.dtype) * (rows * storage.length))[:, None]
     treedef = jax.tree.structure(
-        jax.eval_shape(lambda: RingStorage(storage.example(), rows, storage.length))
+        jax.eval_shape(
+            lambda: RingStorage(
+                storage.stacked_example(), rows, storage.length, frames=storage.frames
+            )
+        )
     )
     data = jax.tree.map(lambda x: x.reshape(blocks, rows, *x.shape[1:]), storage.data)
     masks = None if mask is None else mask.reshape(blocks, -1, *mask.shape[1:])

@@ -14,12 +14,7 @@ def gather(
 ) -> PyTree[Shaped[Array, "batch sequence ..."]]:
     """The `sequence_length` steps starting at each flat window index, leaves
     `(batch, sequence_length, *leaf)`."""
-    flat = window_steps(storage.length, indices, sequence_length)
-
-    def take(leaf: Array) -> Array:
-        return leaf.reshape(-1, *leaf.shape[2:]).at[flat].get(mode="promise_in_bounds")
-
-    return jax.tree.map(take, storage.data)
+    return storage.take(window_steps(storage.length, indices, sequence_length))
 
 
 def gather_steps(
@@ -31,14 +26,7 @@ def gather_steps(
     length = storage.length
     row, slot = indices // length, indices % length
 
-    def step(j: int) -> PyTree[Shaped[Array, "batch ..."]]:
-        flat = row * length + (slot + j) % length
-        return jax.tree.map(
-            lambda leaf: leaf.reshape(-1, *leaf.shape[2:]).at[flat].get(mode="promise_in_bounds"),
-            storage.data,
-        )
-
-    return [step(j) for j in range(sequence_length)]
+    return [storage.take(row * length + (slot + j) % length) for j in range(sequence_length)]
 
 
 def gather_slots(

@@ -249,9 +249,9 @@ def n_step_from_storage(
     steps, total, bootstrap = n_step_values(r, term, trunc, discount)
     at_first, at_second, at_last = flat(jnp.zeros_like(steps)), flat(steps), flat(steps - 1)
     return NStepTransition(
-        first=jax.tree.map(lambda x: take(x, at_first), storage.data),
-        second=jax.tree.map(lambda x: take(x, at_second), storage.data),
-        last=jax.tree.map(lambda x: take(x, at_last), storage.data),
+        first=storage.take(at_first),
+        second=storage.take(at_second),
+        last=storage.take(at_last),
         reward=total,
         discount=bootstrap,
         steps=steps,

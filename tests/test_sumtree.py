@@ -28,13 +28,23 @@ def _assign(ref: np.ndarray, indices, values, mask=None) -> None:
             ref[i] = v
 
 
-def _check_against(tree: SumTree, ref: np.ndarray) -> None:
-    np.testing.assert_array_equal(np.asarray(tree.values()), ref.astype(np.float32))
-    np.testing.assert_allclose(float(tree.total()), ref.astype(np.float64).sum(), rtol=1e-5)
+@eqx.filter_jit
+def _reads(tree: SumTree) -> tuple:
+    """`tree.values()`, `tree.total()` and `tree.levels`, in one compiled call per tree
+    layout (eagerly, each slice was a program of its own, compiled for each layout)."""
+    return tree.values(), tree.total(), tree.levels
+
+
+def _check_against(tree: SumTree, ref: np.ndarray, reads: tuple | None = None) -> None:
+    """`tree` against its NumPy leaves `ref` (`reads`: the tree's `_reads`, when read in a
+    compiled call of its own)."""
+    values, total, levels = _reads(tree) if reads is None else reads
+    np.testing.assert_array_equal(np.asarray(values), ref.astype(np.float32))
+    np.testing.assert_allclose(float(total), ref.astype(np.float64).sum(), rtol=1e-5)
     # Every internal node is the sum of its children, the root the sum of the top level;
     # padding stays zero.
     k = tree.fanout
-    levels = [np.asarray(level, np.float64) for level in tree.levels]
+    levels = [np.asarray(level, np.float64) for level in levels]
     for below, above in zip(levels[:-2], levels[1:-1], strict=True):
         sums = below.reshape(-1, k).sum(axis=1)
         np.testing.assert_allclose(above[: sums.shape[0]], sums, rtol=1e-5, atol=1e-6)
@@ -71,11 +81,14 @@ def _updates(draw):
 _set = eqx.filter_jit(SumTree.set)
 _get = eqx.filter_jit(SumTree.get)
 _find = eqx.filter_jit(SumTree.find)
-_sample = eqx.filter_jit(SumTree.sample)
-_search = eqx.filter_jit(SumTree.search)
-_sample_values = eqx.filter_jit(SumTree.sample_values)
-_read = eqx.filter_jit(SumTree.read)
-_write_block = eqx.filter_jit(SumTree.write_block)
+
+
+@eqx.filter_jit
+def _set_and_read(tree, indices, values, probe):
+    """`set`, then what the test reads of the new tree (`_reads`, `get` and `read` of
+    `probe`): one compiled call per batch."""
+    tree = tree.set(indices, values)
+    return tree, _reads(tree), tree.get(probe), tree.read(probe)
 
 
 @settings(max_examples=budget(25), deadline=None)
@@ -85,12 +98,14 @@ def test_set_get_total_match_numpy(case):
     tree = SumTree(capacity, *layout)
     ref = np.zeros(capacity, np.float32)
     for indices, values in batches:
-        tree = _set(tree, jnp.asarray(indices), jnp.asarray(values))
-        _assign(ref, indices, values)
-        _check_against(tree, ref)
         probe = np.arange(capacity, dtype=np.int32)
-        np.testing.assert_array_equal(np.asarray(_get(tree, jnp.asarray(probe))), ref[probe])
-        np.testing.assert_array_equal(np.asarray(_read(tree, jnp.asarray(probe))), ref[probe])
+        tree, reads, got, read = _set_and_read(
+            tree, jnp.asarray(indices), jnp.asarray(values), jnp.asarray(probe)
+        )
+        _assign(ref, indices, values)
+        _check_against(tree, ref, reads)
+        np.testing.assert_array_equal(np.asarray(got), ref[probe])
+        np.testing.assert_array_equal(np.asarray(read), ref[probe])
 
 
 def _built(case) -> tuple[SumTree, np.ndarray]:
@@ -102,6 +117,17 @@ def _built(case) -> tuple[SumTree, np.ndarray]:
         tree = _set(tree, jnp.asarray(indices), jnp.asarray(values))
         _assign(ref, indices, values)
     return tree, ref
+
+
+@eqx.filter_jit
+def _searched(tree, middles, key):
+    """`search(middles)`, and `sample` and `sample_values` of 64 draws with `key`
+    (stratified, then not): one compiled call."""
+    draws = [
+        (tree.sample(key, 64, stratified=s), tree.sample_values(key, 64, stratified=s))
+        for s in (True, False)
+    ]
+    return tree.search(middles), draws
 
 
 @settings(max_examples=budget(15), deadline=None)
@@ -120,22 +146,27 @@ def test_find_and_sample_match_numpy(case, seed):
     middles[: clear.size] = (before + ref / 2.0)[clear]
     found = np.asarray(_find(tree, jnp.asarray(middles)))[: clear.size]
     np.testing.assert_array_equal(found, clear)
+    searched, sampled = _searched(tree, jnp.asarray(middles), jax.random.key(seed))
     # `search` finds the same leaves and gives their exact values.
-    leaves, values = (np.asarray(x) for x in _search(tree, jnp.asarray(middles)))
+    leaves, values = (np.asarray(x) for x in searched)
     np.testing.assert_array_equal(leaves[: clear.size], clear)
     np.testing.assert_array_equal(values, ref[leaves])
     # Draws (stratified or not) only ever land on leaves of positive priority, including for
     # prefixes at and past the total; `sample_values` draws the same leaves as `sample` and
     # gives their exact values.
-    for stratified in (True, False):
-        draws = _sample(tree, jax.random.key(seed), 64, stratified=stratified)
+    for draws, (same, values) in sampled:
         assert (ref[np.asarray(draws)] > 0).all()
-        same, values = _sample_values(tree, jax.random.key(seed), 64, stratified=stratified)
         np.testing.assert_array_equal(np.asarray(same), np.asarray(draws))
         np.testing.assert_array_equal(np.asarray(values), ref[np.asarray(draws)])
-    total = np.float32(tree.total())
-    edge = jnp.array([total, np.nextafter(total, np.float32(np.inf))] * (capacity // 2 + 1))
-    assert (ref[np.asarray(_find(tree, edge[:capacity]))] > 0).all()
+    total = np.float32(_reads(tree)[1])
+    edge = np.array([total, np.nextafter(total, np.float32(np.inf))] * (capacity // 2 + 1))
+    assert (ref[np.asarray(_find(tree, jnp.asarray(edge[:capacity], jnp.float32)))] > 0).all()
+
+
+@eqx.filter_jit
+def _block_and_scattered(tree, start, values, leaves):
+    """`write_block(start, values)` and `write(leaves, values)`: one compiled call."""
+    return tree.write_block(start, values), tree.write(leaves, values)
 
 
 @settings(max_examples=budget(20), deadline=None)
@@ -148,11 +179,12 @@ def test_write_block_matches_write(case, data):
     m = data.draw(st.integers(1, capacity), label="m")
     start = data.draw(st.integers(0, capacity - 1), label="start")
     values = np.asarray(data.draw(st.lists(st.floats(0, 10, width=32), min_size=m, max_size=m)))
-    block = _write_block(tree, jnp.int32(start), jnp.asarray(values, np.float32))
     leaves = (start + np.arange(m)) % capacity
+    block, scattered = _block_and_scattered(
+        tree, jnp.int32(start), jnp.asarray(values, np.float32), jnp.asarray(leaves)
+    )
     ref[leaves] = _flushed(values)
     _check_against(block, ref)
-    scattered = tree.write(jnp.asarray(leaves), jnp.asarray(values, np.float32))
     np.testing.assert_allclose(np.asarray(block.nodes), np.asarray(scattered.nodes), rtol=1e-6)
 
 
@@ -160,6 +192,20 @@ def _flushed(values: np.ndarray) -> np.ndarray:
     """The leaves a write stores: float32, subnormal values as 0 (documented)."""
     values = np.asarray(values, np.float32)
     return np.where(values < np.finfo(np.float32).tiny, np.float32(0), values)
+
+
+@eqx.filter_jit
+def _subnormal_writes(tree, indices, values, start):
+    """The three writes of `values` (`set`, `write`, `write_block` at `start`), each with its
+    `_reads`, and the total and leaves after `set` of leaf 4 to 5e-42 alone: one compiled
+    call."""
+    ways = [
+        tree.set(indices, values),
+        tree.write(indices, values),
+        tree.write_block(start, values),
+    ]
+    alone = tree.set(jnp.array([4]), jnp.array([5e-42], jnp.float32))
+    return [(w, _reads(w)) for w in ways], (alone.total(), alone.values())
 
 
 @pytest.mark.parametrize("layout", [(2, 1), (16, 2048), (3, 4)])
@@ -172,15 +218,12 @@ def test_subnormal_values_are_stored_as_zero(layout):
     indices = jnp.arange(6)
     expect = np.array([0.0, tiny, 0.0, 1.0, 0.0, 0.0], np.float32)
     tree = SumTree(11, *layout)
-    for written in (
-        _set(tree, indices, jnp.asarray(values)),
-        eqx.filter_jit(SumTree.write)(tree, indices, jnp.asarray(values)),
-        _write_block(tree, jnp.int32(0), jnp.asarray(values)),
-    ):
-        np.testing.assert_array_equal(np.asarray(written.values())[:6], expect)
-        _check_against(written, np.pad(expect, (0, 5)))
-    alone = _set(tree, jnp.array([4]), jnp.array([5e-42], jnp.float32))
-    assert float(alone.total()) == 0.0 and not np.asarray(alone.values()).any()
+    ways, alone = _subnormal_writes(tree, indices, jnp.asarray(values), jnp.int32(0))
+    for written, reads in ways:
+        np.testing.assert_array_equal(np.asarray(reads[0])[:6], expect)
+        _check_against(written, np.pad(expect, (0, 5)), reads)
+    total, leaves = alone
+    assert float(total) == 0.0 and not np.asarray(leaves).any()
 
 
 @pytest.mark.parametrize("layout", [(2, 1), (16, 2048)])
@@ -189,9 +232,9 @@ def test_duplicate_indices_the_last_wins(layout):
     the nodes above agree with it."""
     indices = jnp.array([3, 5, 3, 3, 5, 9])
     values = jnp.array([1.0, 2.0, 7.0, 4.0, 0.0, 0.5])
-    for set_ in (SumTree.set, eqx.filter_jit(SumTree.set)):
+    for set_ in (SumTree.set, _set):
         tree = set_(SumTree(10, *layout), indices, values)
-        assert np.asarray(tree.get(jnp.array([3, 5, 9]))).tolist() == [4.0, 0.0, 0.5]
+        assert np.asarray(_get(tree, jnp.array([3, 5, 9]))).tolist() == [4.0, 0.0, 0.5]
         ref = np.zeros(10, np.float32)
         ref[[3, 5, 9]] = [4.0, 0.0, 0.5]
         _check_against(tree, ref)
@@ -208,16 +251,6 @@ def _masked_writes(draw):
     return capacity, layout, [(*b, m) for b, m in zip(batches, masks, strict=True)]
 
 
-_write = eqx.filter_jit(SumTree.write)
-
-
-def _ways(jitted, eager) -> list:
-    """`(write, _IN_TURN, _PAIRWISE)`: the three ways a write of a small batch can go on the
-    CPU: one entry after the other (the default there, jitted), and by one scatter per level
-    (elsewhere's way) after the pairwise comparison or after the marks (both eagerly)."""
-    return [(jitted, _writes.IN_TURN, _writes.PAIRWISE), (eager, 0, 64), (eager, 0, 0)]
-
-
 def _patched(in_turn: int, pairwise: int) -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
     stack.enter_context(unittest.mock.patch.object(_writes, "IN_TURN", in_turn))
@@ -225,27 +258,51 @@ def _patched(in_turn: int, pairwise: int) -> contextlib.ExitStack:
     return stack
 
 
+def _way(fn, in_turn: int, pairwise: int):
+    """`fn` jitted, traced with `_writes.IN_TURN` and `_writes.PAIRWISE` patched to
+    `in_turn` and `pairwise`: a jitted function of its own (a new closure, so that no
+    compiled program of another way, or of `fn` jitted elsewhere, is reused)."""
+
+    def way(*args, **kwargs):
+        with _patched(in_turn, pairwise):
+            return fn(*args, **kwargs)
+
+    return eqx.filter_jit(way)
+
+
+def _ways(fn) -> list:
+    """The three ways a write of a small batch can go on the CPU: one entry after the other
+    (the default there), and by one scatter per level (elsewhere's way) after the pairwise
+    comparison or after the marks; each `fn` jitted by a function of its own (`_way`)."""
+    return [_way(fn, _writes.IN_TURN, _writes.PAIRWISE), _way(fn, 0, 64), _way(fn, 0, 0)]
+
+
+_WRITE_WAYS = _ways(SumTree.write)
+
+
 @settings(max_examples=budget(25), deadline=None)
 @given(_masked_writes())
 def test_write_with_repeated_indices_matches_numpy(case):
     """`write` with and without a mask: the last entry not skipped wins for every leaf, one
-    entry after the other (a small batch on the CPU, jitted), and by scatters after the
-    pairwise comparison or the marks (eagerly, so that no compiled program of another way
-    is reused)."""
+    entry after the other (a small batch on the CPU), and by scatters after the pairwise
+    comparison or the marks (each way jitted by a function of its own, so that no compiled
+    program of another way is reused)."""
     capacity, layout, batches = case
-    for write, in_turn, pairwise in _ways(_write, SumTree.write):
+    for write in _WRITE_WAYS:
         tree = SumTree(capacity, *layout)
         ref = np.zeros(capacity, np.float32)
-        with _patched(in_turn, pairwise):
-            for indices, values, mask in batches:
-                tree = write(
-                    tree, jnp.asarray(indices), jnp.asarray(values), mask=jnp.asarray(mask)
-                )
-                _assign(ref, indices, values, mask)
-                _check_against(tree, ref)
-                tree = write(tree, jnp.asarray(indices[::-1]), jnp.asarray(values))  # no mask
-                _assign(ref, indices[::-1], values)
-                _check_against(tree, ref)
+        for indices, values, mask in batches:
+            tree = write(tree, jnp.asarray(indices), jnp.asarray(values), mask=jnp.asarray(mask))
+            _assign(ref, indices, values, mask)
+            _check_against(tree, ref)
+            tree = write(tree, jnp.asarray(indices[::-1]), jnp.asarray(values))  # no mask
+            _assign(ref, indices[::-1], values)
+            _check_against(tree, ref)
+
+
+# `_writes.last_of_each` by the pairwise comparison (the default for a small batch) and by the
+# marks, each jitted by a function of its own (`_way`).
+_LAST_OF_EACH = [_way(_writes.last_of_each, _writes.IN_TURN, pairwise) for pairwise in (64, 0)]
 
 
 @settings(max_examples=budget(50), deadline=None)
@@ -264,12 +321,11 @@ def test_the_scatter_after_the_deduplication_has_unique_indices(case):
     `unique_indices=True`, leaves nothing to the platform."""
     indices, mask = np.array(case[0], np.int32), np.array(case[1])
     end = 100
-    tree = SumTree(6).set(jnp.arange(6), jnp.full(6, 0.5))
-    target = jnp.where(jnp.asarray(mask), jnp.asarray(indices), end)
+    tree = _set(SumTree(6), jnp.arange(6), jnp.full(6, 0.5))
+    target = jnp.asarray(np.where(mask, indices, end).astype(np.int32))
     last = {int(i): j for j, (i, m) in enumerate(zip(indices, mask, strict=True)) if m}
-    for pairwise in (64, 0):  # (the default for a small batch, and the marks)
-        with unittest.mock.patch.object(_writes, "PAIRWISE", pairwise):
-            nodes, written = _writes.last_of_each(tree.nodes, 6, jnp.asarray(indices), target, end)
+    for last_of_each in _LAST_OF_EACH:
+        nodes, written = last_of_each(tree.nodes, 6, jnp.asarray(indices), target, end)
         written = np.asarray(written)
         kept = written[written != end]
         assert len(set(kept.tolist())) == len(kept)
@@ -298,18 +354,28 @@ def test_set_and_write_deduplicate_before_the_value_scatter(batch):
     assert "scatter-min" not in names
 
 
+@eqx.filter_jit
+def _draws_before_and_after_zero(tree, values, keys):
+    """4096 independent draws after `set` of every leaf to `values`; then, after `set` of
+    leaf 36 to 0, the total and 4096 stratified draws: one compiled call."""
+    tree = tree.set(jnp.arange(values.shape[0]), values)
+    before = tree.sample(keys[0], 4096, stratified=False)
+    tree = tree.set(jnp.array([36]), jnp.array([0.0]))
+    return before, tree.total(), tree.sample(keys[1], 4096)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_zero_priorities_are_never_drawn(layout):
     tree = SumTree(37, *layout)
     values = np.zeros(37, np.float32)
     values[[0, 17, 36]] = [1.0, 1e-6, 5.0]
-    tree = _set(tree, jnp.arange(37), jnp.asarray(values))
-    draws = np.asarray(_sample(tree, jax.random.key(0), 4096, stratified=False))
+    keys = (jax.random.key(0), jax.random.key(1))
+    before, total, after = _draws_before_and_after_zero(tree, jnp.asarray(values), keys)
+    draws = np.asarray(before)
     assert set(np.unique(draws).tolist()) <= {0, 17, 36}
     # Setting a leaf back to zero removes it exactly.
-    tree = _set(tree, jnp.array([36]), jnp.array([0.0]))
-    assert float(tree.total()) == pytest.approx(1.0 + 1e-6)
-    draws = np.asarray(_sample(tree, jax.random.key(1), 4096))
+    assert float(total) == pytest.approx(1.0 + 1e-6)
+    draws = np.asarray(after)
     assert set(np.unique(draws).tolist()) <= {0, 17}
 
 
@@ -320,22 +386,29 @@ def test_sampling_frequencies_chi_square(layout, stratified):
     rng = np.random.default_rng(0)
     values = rng.gamma(1.0, size=capacity).astype(np.float32)
     values[[4, 9]] = 0.0
-    tree = SumTree(capacity, *layout).set(jnp.arange(capacity), jnp.asarray(values))
+    tree = _set(SumTree(capacity, *layout), jnp.arange(capacity), jnp.asarray(values))
     keys = jax.random.split(jax.random.key(3), 40)
     draws = jax.jit(jax.vmap(lambda k: tree.sample(k, 512, stratified=stratified)))(keys)
     counts = np.bincount(np.asarray(draws).ravel(), minlength=capacity)
     assert chi_square_pvalue(counts, values) > 1e-3
 
 
-def test_capacity_one():
-    tree = SumTree(1)
-    assert float(tree.total()) == 0.0
+@eqx.filter_jit
+def _capacity_one(tree, binary, key):
+    """`tree` (of capacity 1)'s total; after `set` of leaf 0 twice, its total and 5 draws;
+    the leaves of `binary` (of capacity 1) after `set` of leaf 0: one compiled call."""
+    empty = tree.total()
     tree = tree.set(jnp.array([0, 0]), jnp.array([2.0, 3.0]))
-    assert float(tree.total()) in (2.0, 3.0)
-    np.testing.assert_array_equal(np.asarray(tree.sample(jax.random.key(0), 5)), np.zeros(5))
-    np.testing.assert_array_equal(
-        np.asarray(SumTree(1, 2).set(jnp.array([0]), jnp.array([1.0])).values()), [1.0]
-    )
+    binary = binary.set(jnp.array([0]), jnp.array([1.0]))
+    return empty, tree.total(), tree.sample(key, 5), binary.values()
+
+
+def test_capacity_one():
+    empty, total, draws, leaves = _capacity_one(SumTree(1), SumTree(1, 2), jax.random.key(0))
+    assert float(empty) == 0.0
+    assert float(total) in (2.0, 3.0)
+    np.testing.assert_array_equal(np.asarray(draws), np.zeros(5))
+    np.testing.assert_array_equal(np.asarray(leaves), [1.0])
 
 
 def test_large_batch_takes_the_dense_rebuild_path():
@@ -345,7 +418,7 @@ def test_large_batch_takes_the_dense_rebuild_path():
     values = rng.random(200).astype(np.float32)
     ref = np.zeros(50, np.float32)
     for fanout in (2, 4):
-        tree = SumTree(50, fanout, 1).set(jnp.asarray(indices), jnp.asarray(values))
+        tree = _set(SumTree(50, fanout, 1), jnp.asarray(indices), jnp.asarray(values))
         _assign(ref, indices, values)
         _check_against(tree, ref)
 
@@ -421,8 +494,9 @@ def test_jit_does_not_retrace_and_vmaps():
         tree, _ = step(tree, jax.random.key(i))
     assert 0 < float(tree.total()) <= 40.0
     # A batch of trees (e.g. one per seed) under vmap.
-    trees = jax.vmap(lambda v: SumTree(6).set(jnp.arange(6), v))(jnp.eye(6))
-    draws = jax.vmap(lambda t, k: t.sample(k, 3))(trees, jax.random.split(jax.random.key(0), 6))
+    trees = jax.jit(jax.vmap(lambda v: SumTree(6).set(jnp.arange(6), v)))(jnp.eye(6))
+    sample = jax.jit(jax.vmap(lambda t, k: t.sample(k, 3)))
+    draws = sample(trees, jax.random.split(jax.random.key(0), 6))
     np.testing.assert_array_equal(np.asarray(draws), np.repeat(np.arange(6)[:, None], 3, 1))
 
 
@@ -444,41 +518,58 @@ def _tree_writes(draw):
     return count, capacity, layout, [(t, *b) for t, b in zip(trees, batches, strict=True)]
 
 
+@eqx.filter_jit
+def _trees_reads(trees: SumTrees) -> tuple:
+    """Every tree as a `SumTree` with its `_reads`, `values()` and `totals()`: one compiled
+    call per layout."""
+    each = [trees.tree(t) for t in range(trees.trees)]
+    return [(tree, _reads(tree)) for tree in each], trees.values(), trees.totals()
+
+
 def _check_trees(trees: SumTrees, ref: np.ndarray) -> None:
     """Every tree's row against its NumPy leaves (as a `SumTree`), and the batched reads."""
-    for t in range(ref.shape[0]):
-        _check_against(trees.tree(t), ref[t])
-    np.testing.assert_array_equal(np.asarray(trees.values()), ref)
-    roots = [float(trees.tree(t).total()) for t in range(ref.shape[0])]
-    np.testing.assert_array_equal(np.asarray(trees.totals()), roots)
+    each, values, totals = _trees_reads(trees)
+    assert len(each) == ref.shape[0]
+    for t, (tree, reads) in enumerate(each):
+        _check_against(tree, ref[t], reads)
+    np.testing.assert_array_equal(np.asarray(values), ref)
+    roots = [float(reads[1]) for _, reads in each]  # each tree's `total()`
+    np.testing.assert_array_equal(np.asarray(totals), roots)
 
 
 _trees_write = eqx.filter_jit(SumTrees.write)
+_TREES_WRITE_WAYS = _ways(SumTrees.write)
 
 
 @settings(max_examples=budget(25), deadline=None)
 @given(_tree_writes())
 def test_sum_trees_write_matches_numpy(case):
     """`SumTrees.write`: for every `(tree, leaf)` the last entry not skipped wins, one entry
-    after the other (jitted), by scatters after the pairwise comparison and after the marks
-    (eagerly), and every tree's nodes are the sums of their children; no write touches
-    another tree."""
+    after the other, by scatters after the pairwise comparison and after the marks (each way
+    jitted by a function of its own), and every tree's nodes are the sums of their children;
+    no write touches another tree."""
     count, capacity, layout, batches = case
-    for write, in_turn, pairwise in _ways(_trees_write, SumTrees.write):
+    for write in _TREES_WRITE_WAYS:
         trees = SumTrees(count, capacity, *layout)
         ref = np.zeros((count, capacity), np.float32)
-        with _patched(in_turn, pairwise):
-            for tree, leaf, values, mask in batches:
-                at = (jnp.asarray(tree, jnp.int32), jnp.asarray(leaf))
-                trees = write(trees, at, jnp.asarray(values), mask=jnp.asarray(mask))
-                for t in range(count):
-                    mine = tree == t
-                    _assign(ref[t], leaf[mine], values[mine], mask[mine])
-                _check_trees(trees, ref)
-                trees = write(trees, at, jnp.asarray(values[::-1]))  # no mask
-                for t in range(count):
-                    _assign(ref[t], leaf[tree == t], values[::-1][tree == t])
-                _check_trees(trees, ref)
+        for tree, leaf, values, mask in batches:
+            at = (jnp.asarray(tree, jnp.int32), jnp.asarray(leaf))
+            trees = write(trees, at, jnp.asarray(values), mask=jnp.asarray(mask))
+            for t in range(count):
+                mine = tree == t
+                _assign(ref[t], leaf[mine], values[mine], mask[mine])
+            _check_trees(trees, ref)
+            trees = write(trees, at, jnp.asarray(values[::-1]))  # no mask
+            for t in range(count):
+                _assign(ref[t], leaf[tree == t], values[::-1][tree == t])
+            _check_trees(trees, ref)
+
+
+@eqx.filter_jit
+def _written_values(trees, at, values):
+    """The leaves of every tree (`tree(t).values()`) after `write(at, values)`."""
+    written = trees.write(at, values)
+    return [written.tree(t).values() for t in range(written.trees)]
 
 
 @pytest.mark.parametrize("batch", [3, 30, 100])
@@ -497,10 +588,10 @@ def test_sum_trees_write_deduplicates_before_the_value_scatter(batch):
     promised = jax.make_jaxpr(lambda t, i, v: t.write(i, v, unique_indices=True))
     names = [e.primitive.name for e in scatters(promised(trees, at, values).jaxpr)]
     assert "scatter-min" not in names
-    written = trees.write(at, values)
+    written = _written_values(trees, at, values)
     for t in range(3):  # the last value of each (tree, leaf)
         last = {int(leaf): float(v) for tr, leaf, v in zip(*at, values, strict=True) if tr == t}
-        got = np.asarray(written.tree(t).values())
+        got = np.asarray(written[t])
         assert {i: float(got[i]) for i in last} == last and float(got[2:].sum()) == 0
 
 
@@ -512,10 +603,23 @@ def _filled_trees(count: int, capacity: int, layout, seed: int) -> tuple[SumTree
     tree, leaf = np.divmod(np.arange(count * capacity), capacity)
     trees = SumTrees(count, capacity, *layout)
     at = (jnp.asarray(tree, jnp.int32), jnp.asarray(leaf, jnp.int32))
-    return trees.write(at, jnp.asarray(ref.reshape(-1)), unique_indices=True), ref
+    return _trees_write(trees, at, jnp.asarray(ref.reshape(-1)), unique_indices=True), ref
 
 
-# The quick session: the default layout; every layout in `tests-all` (each 3 to 8 s here).
+def _subsets(prefix: np.ndarray, masks: dict) -> dict:
+    """`{t: prefix[masks[t]]}`, as JAX arrays."""
+    return {t: jnp.asarray(prefix[mask]) for t, mask in masks.items()}
+
+
+@eqx.filter_jit
+def _each_search(trees, each):
+    """`trees.tree(t).search(each[t])` for every `t` of `each`: one compiled call. (Not
+    `trees.search` of a wide top level: XLA takes about 10 s to compile that search, which
+    eagerly runs in under 1 s.)"""
+    return {t: trees.tree(t).search(p) for t, p in each.items()}
+
+
+# The quick session: the default layout; every layout in `tests-all`.
 @pytest.mark.parametrize(
     "layout", [LAYOUTS[0], *(pytest.param(x, marks=pytest.mark.thorough) for x in LAYOUTS[1:])]
 )
@@ -527,22 +631,39 @@ def test_sum_trees_search_each_query_in_its_own_tree(layout):
     trees, ref = _filled_trees(count, capacity, layout, seed=1)
     rng = np.random.default_rng(2)
     tree = rng.integers(1, count, 200).astype(np.int32)  # (tree 0 has nothing to draw)
-    totals = np.asarray(trees.totals())[tree]
+    totals = np.asarray(_trees_reads(trees)[2])[tree]
     prefix = (rng.random(200) * totals).astype(np.float32)
     prefix[:20] = totals[:20]
     prefix[20:40] = np.nextafter(totals[20:40], np.float32(np.inf))
+    mine = {t: tree == t for t in range(1, count)}
     leaves, values = (np.asarray(x) for x in trees.search(jnp.asarray(tree), jnp.asarray(prefix)))
+    each = _each_search(trees, _subsets(prefix, mine))
     for t in range(1, count):
         mine = tree == t
-        want_leaves, want_values = trees.tree(t).search(jnp.asarray(prefix[mine]))
+        want_leaves, want_values = each[t]
         np.testing.assert_array_equal(leaves[mine], np.asarray(want_leaves))
         np.testing.assert_array_equal(values[mine], np.asarray(want_values))
         assert (ref[t, leaves[mine]] > 0).all()
     np.testing.assert_array_equal(values, ref[tree, leaves])
 
 
+@eqx.filter_jit
+def _block_totals(trees, blocks):
+    """`trees.block_totals(blocks)`, and every `trees.tree(t).block_totals(blocks)`."""
+    return trees.block_totals(blocks), [
+        trees.tree(t).block_totals(blocks) for t in range(trees.trees)
+    ]
+
+
+@eqx.filter_jit
+def _block_searches(trees, tree, prefix):
+    """`trees.search_blocks(tree, prefix)`, and every `trees.tree(t).search_blocks(prefix)`."""
+    each = [trees.tree(t).search_blocks(prefix) for t in range(trees.trees)]
+    return trees.search_blocks(tree, prefix), each
+
+
 # The quick session: 2 blocks of the default layout and of a deep binary tree; the other
-# blocks and layouts in `tests-all` (each 2 to 7 s here).
+# blocks and layouts in `tests-all`.
 @pytest.mark.parametrize(
     "blocks,layout",
     [
@@ -557,24 +678,25 @@ def test_sum_trees_blocks_match_each_tree(layout, blocks):
     leaves and values, bit for bit, each query inside its block of its own tree)."""
     count, capacity, per = 3, 120, 16
     trees, _ = _filled_trees(count, capacity, layout, seed=blocks)
-    trees = trees.write(  # (tree 0 positive too, in every block)
+    trees = _trees_write(  # (tree 0 positive too, in every block)
+        trees,
         (jnp.zeros(blocks, jnp.int32), jnp.arange(blocks, dtype=jnp.int32) * (capacity // blocks)),
         jnp.ones(blocks),
     )
-    totals = np.asarray(trees.block_totals(blocks))
+    totals, each_totals = _block_totals(trees, blocks)
+    totals = np.asarray(totals)
     for t in range(count):
-        np.testing.assert_array_equal(totals[t], np.asarray(trees.tree(t).block_totals(blocks)))
+        np.testing.assert_array_equal(totals[t], np.asarray(each_totals[t]))
     rng = np.random.default_rng(blocks)
     tree = rng.integers(0, count, (blocks, per)).astype(np.int32)
     limit = np.take_along_axis(totals.T, tree, axis=1)
     prefix = (rng.random((blocks, per)) * limit).astype(np.float32)
     prefix[:, 0] = limit[:, 0]  # at the block's total: its last positive leaf
-    leaves, values = (
-        np.asarray(x) for x in trees.search_blocks(jnp.asarray(tree), jnp.asarray(prefix))
-    )
+    found, each = _block_searches(trees, jnp.asarray(tree), jnp.asarray(prefix))
+    leaves, values = (np.asarray(x) for x in found)
     for t in range(count):
         mine = tree == t
-        want_leaves, want_values = trees.tree(t).search_blocks(jnp.asarray(prefix))
+        want_leaves, want_values = each[t]
         np.testing.assert_array_equal(leaves[mine], np.asarray(want_leaves)[mine])
         np.testing.assert_array_equal(values[mine], np.asarray(want_values)[mine])
     width = capacity // blocks

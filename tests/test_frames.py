@@ -154,6 +154,7 @@ def _check_sample(kind, buffer, history, sample, added):
     starts = np.asarray(sample.steps).astype(np.int64)
     oldest = max(0, added - length)
     mask = getattr(sample, "mask", None)
+    mask = None if mask is None else np.asarray(mask)
     for t in starts:
         assert oldest <= t < added
         if oldest > 0:  # wrapped: the frames of the stack are all held

@@ -136,7 +136,7 @@ class EpisodeTrajectoryBuffer(AbstractUniformBuffer, RuleEpisodes):
     ):
         """**Arguments:**
 
-        - `example`, `add_batch_size`, `sequence_length`, `period`, `**sizes`: as for
+        - `example`, `add_batch_size`, `sequence_length`, `period`, `frames`, `**sizes`: as for
             [`equibuffer.TrajectoryBuffer`][].
         - `episode_end`: what marks the last step of an episode: the name of a 0-d bool leaf
             of a dict example (default `"done"`), or a function of one step returning a 0-d
@@ -219,8 +219,8 @@ class PrioritisedEpisodeTrajectoryBuffer(AbstractPrioritisedBuffer, RuleEpisodes
     ):
         """**Arguments:**
 
-        - `example`, `add_batch_size`, `sequence_length`, `period`, `episode_end`, `mode`,
-            `**sizes`: as for [`equibuffer.EpisodeTrajectoryBuffer`][].
+        - `example`, `add_batch_size`, `sequence_length`, `period`, `frames`, `episode_end`,
+            `mode`, `**sizes`: as for [`equibuffer.EpisodeTrajectoryBuffer`][].
         - `alpha`: the priority exponent, `>= 0`: 0 is uniform over the valid windows of
             positive priority, 1 fully proportional. Default 0.6.
         """

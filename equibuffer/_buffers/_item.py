@@ -49,6 +49,9 @@ class ItemBuffer(AbstractUniformBuffer):
 
         - `example`: one item, a pytree of arrays.
         - `add_batch_size`: the number of items (rows) each `add` of one step writes.
+        - `frames`: an [`equibuffer.Frames`][], to store one frame per step of a stacked
+            observation leaf and return the stacks in every sample (see
+            [Pixels](../pixels.md)). Default: every leaf is stored as given.
         - `**sizes`: `capacity` (items in total; Flashbax's `max_length` too) or
             `max_length_time_axis` (per row), and optionally `min_size` (`min_length`) or
             `min_length_time_axis` (default and least: 1 per row), as [`equibuffer.Sizes`][]

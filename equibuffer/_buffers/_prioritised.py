@@ -265,7 +265,7 @@ class PrioritisedBuffer(AbstractPrioritisedBuffer):
     ):
         """**Arguments:**
 
-        - `example`, `add_batch_size`, `view`, `period`, `**sizes`: as for
+        - `example`, `add_batch_size`, `view`, `period`, `frames`, `**sizes`: as for
             [`equibuffer.Buffer`][].
         - `rule`: an [`equibuffer.rules.AbstractPrioritisedRule`][]:
             [`equibuffer.rules.Prioritised`][]`(alpha)`, or
@@ -322,7 +322,7 @@ class PrioritisedTrajectoryBuffer(AbstractPrioritisedBuffer):
     ):
         """**Arguments:**
 
-        - `example`, `add_batch_size`, `sequence_length`, `period`, `**sizes`: as for
+        - `example`, `add_batch_size`, `sequence_length`, `period`, `frames`, `**sizes`: as for
             [`equibuffer.TrajectoryBuffer`][].
         - `alpha`: the priority exponent, `>= 0`: 0 is uniform over windows of positive
             priority, 1 fully proportional. Default 0.6 (Schaul et al.).
@@ -387,7 +387,7 @@ class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
     ):
         """**Arguments:**
 
-        - `example`, `add_batch_size`, `n_step`, `discount`, `reward`, `terminated`,
+        - `example`, `add_batch_size`, `frames`, `n_step`, `discount`, `reward`, `terminated`,
             `truncated`, `episode_end`, `mode`, `**sizes`: as for
             [`equibuffer.TransitionBuffer`][]. With `n_step` this is Rainbow's replay: n-step
             transitions drawn by priority, with importance weights, cut at episode ends.
@@ -441,7 +441,8 @@ class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
     ):
         """**Arguments:**
 
-        - `example`, `add_batch_size`, `**sizes`: as for [`equibuffer.ItemBuffer`][].
+        - `example`, `add_batch_size`, `frames`, `**sizes`: as for
+            [`equibuffer.ItemBuffer`][].
         - `alpha`: the priority exponent, `>= 0` (default 0.6).
         """
         where = "PrioritisedItemBuffer()"

@@ -60,6 +60,9 @@ class TrajectoryBuffer(AbstractUniformBuffer):
         - `sequence_length`: the number of consecutive steps in each sampled window.
         - `period`: windows start at absolute steps that are multiples of `period` (1: every
             step; `sequence_length`: non-overlapping windows).
+        - `frames`: an [`equibuffer.Frames`][], to store one frame per step of a stacked
+            observation leaf and return the stacks in every sample (see
+            [Pixels](../pixels.md)). Default: every leaf is stored as given.
         - `**sizes`: `capacity` (steps in total) or `max_length_time_axis` (per row), and
             optionally `min_size` or `min_length_time_axis` (default and least: one window per
             row), as [`equibuffer.Sizes`][] says.

@@ -84,6 +84,9 @@ class TransitionBuffer(AbstractUniformBuffer):
 
         - `example`: one step of experience, a pytree of arrays.
         - `add_batch_size`: the number of rows each `add` writes.
+        - `frames`: an [`equibuffer.Frames`][], to store one frame per step of a stacked
+            observation leaf and return the stacks in every sample (see
+            [Pixels](../pixels.md)). Default: every leaf is stored as given.
         - `**sizes`: `capacity` (steps in total; Flashbax's `max_length` too) or
             `max_length_time_axis` (per row), and optionally `min_size` (`min_length`) or
             `min_length_time_axis` (default and least: 2 per row, `n_step + 1` with `n_step`),

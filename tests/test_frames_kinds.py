@@ -1,0 +1,208 @@
+"""Frames stored once through the library's other parts (issue 46): a `Mixer` of buffers
+that stack frames, `RateLimited`, the checked step with donation and adds in a `lax.scan`,
+`eqx.tree_serialise_leaves`, `with_storage`, `vmap` over seeds, and rows split over two
+devices (`shard_rows`, both axis types, and `row_blocks`): each gives the wrapper's stacks."""
+
+import textwrap
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import equibuffer as eb
+
+from .helpers import run_on_host_devices
+from .test_frames import _check_sample, _example, History
+
+
+K = 3
+
+
+def _frames():
+    return eb.Frames("obs", k=K, episode_end="done")
+
+
+def _filled(rows=2, length=12, t=20, seed=0, cls=eb.TransitionBuffer, **kw):
+    history = History(rows, K, "reset", -1)
+    single, _, done = history.steps(np.random.default_rng(seed), t, 0.3)
+    buffer = cls(
+        _example(K, -1), add_batch_size=rows, max_length_time_axis=length, frames=_frames(), **kw
+    )
+    buffer = buffer.add(
+        {"obs": jnp.asarray(single), "reward": jnp.ones((rows, t)), "done": jnp.asarray(done)}
+    )
+    return buffer, history, t
+
+
+def test_a_mixer_of_framed_buffers_returns_each_sources_stacks():
+    (a, ha, ta), (b, hb, tb) = _filled(seed=1), _filled(seed=2, length=16)
+    mixer = eb.Mixer([a, b], proportions=[0.5, 0.5])
+    sample = eqx.filter_jit(lambda m, key: m.sample(key, 16))(mixer, jax.random.key(0))
+    rows = 0
+    for source, buffer, history, t in zip(sample.samples, (a, b), (ha, hb), (ta, tb), strict=True):
+        n = source.indices.shape[0]
+        experience = jax.tree.map(lambda x: x[rows : rows + n], sample.experience)  # noqa: B023
+        _check_sample(
+            "transition",
+            buffer,
+            history,
+            eqx.tree_at(lambda s: s.experience, source, experience, is_leaf=lambda x: x is None),
+            t,
+        )
+        rows += n
+
+
+def test_rate_limited_framed_buffer_adds_and_samples_stacks():
+    buffer, history, t = _filled()
+    limited = eb.RateLimited(buffer, samples_per_insert=4.0, tolerance=1_000.0)
+    single, stacked, done = history.steps(np.random.default_rng(5), 3, 0.3)
+    limited = limited.add(
+        {"obs": jnp.asarray(stacked), "reward": jnp.ones((2, 3)), "done": jnp.asarray(done)}
+    )
+    limited, sample = limited.sample(jax.random.key(1), 8)
+    _check_sample("transition", limited.buffer, history, sample, t + 3)
+
+
+def test_checked_step_adds_stacks_in_a_scan_with_donation():
+    """The way users train: `eb.filter_jit(donate="all")`, the environment's stacked
+    observations added inside a `lax.scan`, a sample per step."""
+    rows, length, t = 2, 16, 10
+    history = History(rows, K, "reset", -1)
+    _, stacked, done = history.steps(np.random.default_rng(3), t, 0.25)
+    buffer = eb.PrioritisedTransitionBuffer(
+        _example(K, -1), add_batch_size=rows, max_length_time_axis=length, frames=_frames()
+    )
+
+    @eb.filter_jit(donate="all")
+    def run(buffer, obs, done, key):
+        def body(buffer, x):
+            obs, done = x
+            buffer = buffer.add({"obs": obs, "reward": jnp.ones(rows), "done": done})
+            return buffer, None
+
+        buffer, _ = jax.lax.scan(body, buffer, (jnp.swapaxes(obs, 0, 1), jnp.swapaxes(done, 0, 1)))
+        sample = buffer.sample(key, 32)
+        return buffer.set_priorities(sample, sample.weights + 1.0), sample
+
+    buffer, sample = run(buffer, jnp.asarray(stacked), jnp.asarray(done), jax.random.key(0))
+    _check_sample("prioritised", buffer, history, sample, t)
+    np.testing.assert_array_equal(
+        np.asarray(buffer.storage.data["obs"][:, :t]),
+        np.stack([np.stack(f) for f in history.frames]),
+    )
+
+
+def test_serialised_and_restored_buffers_keep_their_frames(tmp_path):
+    buffer, history, t = _filled()
+    path = tmp_path / "buffer.eqx"
+    eqx.tree_serialise_leaves(path, buffer)
+    like = eb.TransitionBuffer(
+        _example(K, -1), add_batch_size=2, max_length_time_axis=12, frames=_frames()
+    )
+    restored = eqx.tree_deserialise_leaves(path, like)
+    key = jax.random.key(4)
+    for x, y in zip(
+        jax.tree.leaves(buffer.sample(key, 8)),
+        jax.tree.leaves(restored.sample(key, 8)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # with_storage: a ring made with the same frames is taken, another is refused
+    taken = restored.with_storage(buffer.storage).storage
+    assert all(
+        x is y for x, y in zip(jax.tree.leaves(taken), jax.tree.leaves(buffer.storage), strict=True)
+    )
+    plain = eb.RingStorage(_example(K, -1), rows=2, length=12)
+    with pytest.raises(ValueError, match="stacks frames as None"):
+        restored.with_storage(plain)
+
+
+def test_vmap_over_seeds_keeps_can_sample_unbatched():
+    """The batched-use invariant: `can_sample()` depends on the counters only, also with
+    frames (the dropped oldest starts are a function of them), so a cond on it stays a
+    cond under vmap and nothing fails at step 0."""
+    rows = 2
+    buffer = eb.TransitionBuffer(
+        _example(K, -1), add_batch_size=rows, max_length_time_axis=8, frames=_frames()
+    )
+
+    def train(seed):
+        key = jax.random.key(seed)
+        b = buffer.add(
+            {
+                "obs": jnp.ones((rows, 2, 2), jnp.int32),
+                "reward": jnp.ones((rows, 2)),
+                "done": jax.random.bernoulli(key, 0.5, (rows, 2)),
+            }
+        )
+        out = jax.lax.cond(
+            b.can_sample(),
+            lambda: b.sample(key, 4).experience.first["obs"].sum(),
+            lambda: jnp.int32(0),
+        )
+        return out, b.can_sample()
+
+    out, ready = jax.jit(jax.vmap(train))(jnp.arange(3))
+    assert ready.tolist() == [True] * 3 and out.shape == (3,)
+
+
+SHARDED = textwrap.dedent(
+    """
+    import equinox as eqx, jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    import equibuffer as eb
+    from tests.test_frames import History, _check_sample, _example
+
+    assert jax.device_count() == 2
+    rows, k = 4, 3
+    frames = eb.Frames("obs", k=k, episode_end="done")
+    builders = {
+        "transition": lambda: eb.TransitionBuffer(
+            _example(k, -1), add_batch_size=rows, max_length_time_axis=10, frames=frames),
+        "prioritised": lambda: eb.PrioritisedTransitionBuffer(
+            _example(k, -1), add_batch_size=rows, max_length_time_axis=10, frames=frames),
+        "episode_pad": lambda: eb.EpisodeTrajectoryBuffer(
+            _example(k, -1), add_batch_size=rows, max_length_time_axis=10, sequence_length=2,
+            mode="pad", frames=frames),
+    }
+
+    @eqx.filter_jit(donate="all-except-first")
+    def step(key, buffer, batch, blocks):
+        buffer = buffer.add(batch)
+        return buffer, buffer.sample(key, 8, row_blocks=blocks)
+
+    for axis_type in (AxisType.Auto, AxisType.Explicit):
+        mesh = jax.make_mesh((2,), ("envs",), axis_types=(axis_type,))
+        for name, build in builders.items():
+            history = History(rows, k, "reset", -1)
+            rng = np.random.default_rng(0)
+            one, split = build(), eb.shard_rows(build(), mesh, "envs")
+            added = 0
+            for i in range(4):  # wraps the ring of 10 steps
+                _, stacked, done = history.steps(rng, 4, 0.3)
+                batch = {"obs": stacked, "reward": np.ones((rows, 4), np.float32), "done": done}
+                added += 4
+                key = jax.random.key(i)
+                one, s1 = step(key, one, jax.tree.map(jnp.asarray, batch), 1)
+                placed = jax.device_put(batch, NamedSharding(mesh, P("envs")))
+                split, s2 = step(key, split, placed, 1)
+                for x, y in zip(jax.tree.leaves((one, s1)), jax.tree.leaves((split, s2))):
+                    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+                if bool(one.can_sample()):
+                    _check_sample(name, one, history, s1, added)
+                    blocked = eqx.filter_jit(lambda b, key: b.sample(key, 8, row_blocks=2))(
+                        split, key)
+                    _check_sample(name, split, history, blocked, added)
+            assert tuple(split.storage.data["obs"].sharding.spec)[:1] == ("envs",), name
+    print("sharded frames ok")
+    """
+)
+
+
+@pytest.mark.slow  # (it starts a process with two host devices)
+def test_frames_split_over_devices_match_one_device():
+    out = run_on_host_devices(SHARDED, devices=2, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "sharded frames ok" in out.stdout

@@ -137,9 +137,40 @@ def test_each_window_once_n_step(filled, batch_size, seed):
     check_epoch(buffer, reference, jax.random.key(seed), batch_size)
 
 
+# The tests' setup (adds, plans) runs compiled rather than eagerly, where eagerly each JAX
+# operation is a program of its own to compile; a refused operation raises there too
+# (`eb.filter_jit`). What a test checks of an eager call stays eager.
+
+
+@eb.filter_jit
+def _add(buffer, batch):
+    """`buffer.add(batch)`, compiled (a refused add raises, as eagerly)."""
+    return buffer.add(batch)
+
+
+@eb.filter_jit
+def _add_all(buffer, batches):
+    """`buffer.add` of each of `batches` in turn: one compiled call."""
+    for batch in batches:
+        buffer = buffer.add(batch)
+    return buffer
+
+
+@eb.filter_jit
+def _plan(buffer, key, batch_size):
+    """`buffer.epoch(key, batch_size)`, compiled (a refusal raises, as eagerly)."""
+    return buffer.epoch(key, batch_size)
+
+
+@eqx.filter_jit
+def _epoch_batch(buffer, epoch, i):
+    """`buffer.epoch_batch(epoch, i)` inside jit (its failure recorded, not raised)."""
+    return buffer.epoch_batch(epoch, i)
+
+
 def _items(n: int, rows: int = 1, capacity: int = 16) -> eb.ItemBuffer:
     buffer = eb.ItemBuffer({"x": jnp.int32(0)}, add_batch_size=rows, capacity=capacity)
-    return buffer.add({"x": jnp.arange(rows * n, dtype=jnp.int32).reshape(rows, n)})
+    return _add(buffer, {"x": jnp.arange(rows * n, dtype=jnp.int32).reshape(rows, n)})
 
 
 def test_order_is_uniform_over_permutations():
@@ -147,7 +178,7 @@ def test_order_is_uniform_over_permutations():
     (chi-square); the valid windows come first, whatever the other candidate slots."""
     buffer = _items(4, capacity=10)
     keys = jax.random.split(jax.random.key(1), 4800)
-    orders = jax.vmap(lambda k: buffer.epoch(k, batch_size=4).indices[:4])(keys)
+    orders = eb.filter_jit(jax.vmap(lambda k: buffer.epoch(k, batch_size=4).indices[:4]))(keys)
     index = {p: i for i, p in enumerate(itertools.permutations(range(4)))}
     counts = np.bincount([index[tuple(o)] for o in np.asarray(orders).tolist()], minlength=24)
     assert chi_square_pvalue(counts, np.full(24, 1 / 24)) > 1e-3
@@ -161,11 +192,17 @@ def test_order_is_uniform_among_episode_windows():
         example, add_batch_size=2, max_length_time_axis=8, sequence_length=2
     )
     done = jnp.array([[0, 1, 0, 0, 0, 1], [0, 0, 1, 0, 0, 0]], bool)
-    buffer = buffer.add({"x": jnp.zeros((2, 6), jnp.int32), "done": done})
+    buffer = _add(buffer, {"x": jnp.zeros((2, 6), jnp.int32), "done": done})
     reference_valid = {0, 2, 3, 4, 8, 9, 11, 12}  # row * 8 + start: no end before the last step
-    assert int(buffer.num_valid_windows()) == len(reference_valid)
     keys = jax.random.split(jax.random.key(2), 3500)
-    plans = jax.vmap(lambda k: buffer.epoch(k, batch_size=3))(keys)
+
+    @eb.filter_jit
+    def plans_and_count(buffer, keys):
+        plans = jax.vmap(lambda k: buffer.epoch(k, batch_size=3))(keys)
+        return plans, buffer.num_valid_windows()
+
+    plans, count = plans_and_count(buffer, keys)
+    assert int(count) == len(reference_valid)
     assert (np.asarray(plans.count) == 8).all()
     planned = np.asarray(plans.indices[:, :8])
     assert all(set(p) == reference_valid for p in planned.tolist())
@@ -176,8 +213,8 @@ def test_order_is_uniform_among_episode_windows():
 
 def test_two_keys_give_two_orders():
     buffer = _items(12, capacity=16)
-    a = buffer.epoch(jax.random.key(0), batch_size=4).indices[:12]
-    b = buffer.epoch(jax.random.key(1), batch_size=4).indices[:12]
+    a = _plan(buffer, jax.random.key(0), 4).indices[:12]
+    b = _plan(buffer, jax.random.key(1), 4).indices[:12]
     assert sorted(a.tolist()) == sorted(b.tolist()) == list(range(12))
     assert a.tolist() != b.tolist()
 
@@ -187,11 +224,16 @@ def test_last_batch_masked_and_padded_with_epoch_windows():
     repeats a window of the epoch; batches past `num_batches()` (and negative ones) are all
     masked out."""
     buffer = _items(5, capacity=8)
-    epoch = buffer.epoch(jax.random.key(3), batch_size=2)
-    assert (epoch.max_batches, int(epoch.num_batches())) == (4, 3)
+
+    @eb.filter_jit
+    def plan_and_batches(buffer, key):
+        epoch = buffer.epoch(key, batch_size=2)
+        return epoch, epoch.num_batches(), [buffer.epoch_batch(epoch, i) for i in range(-1, 5)]
+
+    epoch, num_batches, batches = plan_and_batches(buffer, jax.random.key(3))
+    assert (epoch.max_batches, int(num_batches)) == (4, 3)
     got, masks = [], []
-    for i in range(-1, 5):
-        sample, valid = buffer.epoch_batch(epoch, i)
+    for sample, valid in batches:
         assert sample.experience["x"].shape == (2,) and valid.dtype == jnp.bool_
         got.append(sample.experience["x"].tolist())
         masks.append(valid.tolist())
@@ -206,7 +248,7 @@ def test_buffer_grows_between_epochs():
     buffer = eb.TrajectoryBuffer(
         {"x": jnp.int32(0)}, add_batch_size=2, max_length_time_axis=32, sequence_length=3
     )
-    buffer = buffer.add({"x": jnp.arange(20, dtype=jnp.int32).reshape(2, 10)})
+    buffer = _add(buffer, {"x": jnp.arange(20, dtype=jnp.int32).reshape(2, 10)})
     reference = BufferReference.from_buffer(
         eb.TrajectoryBuffer(
             {"x": jnp.int32(0)}, add_batch_size=2, max_length_time_axis=32, sequence_length=3
@@ -220,13 +262,13 @@ def test_buffer_grows_between_epochs():
         return buffer.add(batch)
 
     key = jax.random.key(4)
-    epoch = buffer.epoch(key, batch_size=4)
+    epoch = _plan(buffer, key, 4)
     seen = []
     for i in range(int(epoch.num_batches())):
         batch = {"x": jnp.full((2, 5), 100 + i, jnp.int32)}
         buffer = grow(buffer, batch)  # 5 more steps per row after each batch
         reference.add({"x": np.asarray(batch["x"])})
-        sample, valid = eqx.filter_jit(lambda b, e, i: b.epoch_batch(e, i))(buffer, epoch, i)
+        sample, valid = _epoch_batch(buffer, epoch, jnp.int32(i))
         eb.check(sample)
         seen += [w for w, v in zip(reference.windows(sample), valid.tolist(), strict=True) if v]
     assert sorted(seen) == sorted(before)  # the planned windows, each once, none of the new
@@ -239,9 +281,9 @@ def test_overwritten_window_refused():
     """Adds that wrap the ring over a planned window make the batch fail: recorded inside
     jit and raised by `eb.check`; raised at once eagerly."""
     buffer = _items(8, capacity=8)
-    epoch = buffer.epoch(jax.random.key(0), batch_size=8)
-    buffer = buffer.add({"x": jnp.full((1, 3), 99, jnp.int32)})  # slots of steps 0-2 rewritten
-    sample, _ = eqx.filter_jit(lambda b, e: b.epoch_batch(e, 0))(buffer, epoch)
+    epoch = _plan(buffer, jax.random.key(0), 8)
+    buffer = _add(buffer, {"x": jnp.full((1, 3), 99, jnp.int32)})  # slots of steps 0-2 rewritten
+    sample, _ = _epoch_batch(buffer, epoch, 0)
     with pytest.raises(eqx.EquinoxRuntimeError, match="written over by adds made after"):
         eb.check(sample)
     with pytest.raises(eqx.EquinoxRuntimeError, match="Plan the epoch after the adds"):
@@ -266,7 +308,7 @@ def test_empty_buffer_refused_eagerly_and_inside_jit():
     buffer = eb.TrajectoryBuffer(
         {"x": jnp.zeros(2)}, add_batch_size=1, max_length_time_axis=8, sequence_length=3
     )
-    buffer = buffer.add({"x": jnp.ones((1, 2, 2))})  # 2 steps: no window of 3
+    buffer = _add(buffer, {"x": jnp.ones((1, 2, 2))})  # 2 steps: no window of 3
     with pytest.raises(eqx.EquinoxRuntimeError, match="cannot be sampled yet"):
         buffer.epoch(jax.random.key(0), 4)
 
@@ -287,7 +329,7 @@ def test_no_episode_window_refused():
         example, add_batch_size=1, max_length_time_axis=8, sequence_length=3
     )
     done = jnp.array([[True, False, True, True, False, True]])  # episodes of 1 or 2 steps
-    buffer = buffer.add({"x": jnp.zeros((1, 6)), "done": done})
+    buffer = _add(buffer, {"x": jnp.zeros((1, 6)), "done": done})
     assert bool(buffer.can_sample())
     with pytest.raises(eqx.EquinoxRuntimeError, match="no window of sequence_length=3 fits"):
         buffer.epoch(jax.random.key(0), 2)
@@ -310,17 +352,26 @@ def test_prioritised_epoch_ignores_priorities():
     """Every window once, priority 0 included; the batches are plain samples, whose indices
     and steps `set_priorities` takes."""
     buffer = eb.PrioritisedItemBuffer({"x": jnp.int32(0)}, add_batch_size=1, capacity=8)
-    buffer = buffer.add({"x": jnp.arange(6, dtype=jnp.int32)[None]})
     slots = jnp.arange(6)  # one row: item x in slot x, added at step x
     only_0 = jnp.array([1.0, 0, 0, 0, 0, 0])
-    buffer = buffer.set_priorities(slots, only_0, steps=slots.astype(jnp.uint32))
-    epoch = buffer.epoch(jax.random.key(1), batch_size=4)
+
+    @eb.filter_jit
+    def filled_and_planned(buffer, key):
+        buffer = buffer.add({"x": jnp.arange(6, dtype=jnp.int32)[None]})
+        buffer = buffer.set_priorities(slots, only_0, steps=slots.astype(jnp.uint32))
+        return buffer, buffer.epoch(key, batch_size=4)
+
+    @eb.filter_jit
+    def train(buffer, epoch, i):
+        sample, valid = buffer.epoch_batch(epoch, i)
+        return sample, valid, buffer.set_priorities(sample, jnp.full(4, 2.0))
+
+    buffer, epoch = filled_and_planned(buffer, jax.random.key(1))
     seen = []
     for i in range(int(epoch.num_batches())):
-        sample, valid = buffer.epoch_batch(epoch, i)
+        sample, valid, buffer = train(buffer, epoch, jnp.int32(i))
         assert type(sample) is eb.Sample
-        seen += sample.experience["x"][valid].tolist()
-        buffer = buffer.set_priorities(sample, jnp.full(4, 2.0))
+        seen += np.asarray(sample.experience["x"])[np.asarray(valid)].tolist()
     assert sorted(seen) == list(range(6))
     assert float(buffer.tree.total()) == pytest.approx(6 * 2.0**buffer.alpha)
 
@@ -431,13 +482,14 @@ def test_each_clustered_item_once(kind, rows, clusters, capacity, steps, batch_s
     weights = None if clusters == 1 else (1.0,) + (0.0,) * (clusters - 1)
     buffer = _clustered(kind, rows, clusters, capacity, weights)
     routed = [[] for _ in range(clusters)]  # every item's value, per cluster, in order
-    value = 0
+    value, batches = 0, []
     for t in steps:
         x = np.arange(value, value + rows * t, dtype=np.int32).reshape(t, rows).T
         value += rows * t
-        buffer = buffer.add({"x": jnp.asarray(x)})
+        batches.append({"x": jnp.asarray(x)})
         for v in x.T.reshape(-1):  # time-major, rows in order
             routed[v % clusters].append(int(v))
+    buffer = _add_all(buffer, batches)  # each batch added in turn
     held = {
         v: (c, n)
         for c, items in enumerate(routed)
@@ -463,7 +515,7 @@ def test_each_clustered_item_once(kind, rows, clusters, capacity, steps, batch_s
 def test_clustered_order_is_uniform():
     """Three items in two clusters: the 6 orders of an epoch equally likely (chi-square)."""
     buffer = _clustered(eb.ClusteredBuffer, rows=3, clusters=2, capacity=4)
-    buffer = buffer.add({"x": jnp.array([0, 1, 2], jnp.int32)})
+    buffer = _add(buffer, {"x": jnp.array([0, 1, 2], jnp.int32)})
 
     def order(key):
         return buffer.epoch_batch(buffer.epoch(key, batch_size=3), 0)[0].experience["x"]
@@ -486,10 +538,10 @@ def test_clustered_epoch_refusals(kind):
     epoch = eqx.filter_jit(lambda b, k: b.epoch(k, 2))(buffer, jax.random.key(0))
     with pytest.raises(eqx.EquinoxRuntimeError, match="no item was added yet"):
         eb.check(epoch)
-    buffer = buffer.add({"x": jnp.array([0, 1], jnp.int32)})
-    epoch = buffer.epoch(jax.random.key(0), 2)
-    wrapped = buffer.add({"x": jnp.array([[2, 4], [3, 5]], jnp.int32)})  # each cluster wraps
-    sample, _ = eqx.filter_jit(lambda b, e: b.epoch_batch(e, 0))(wrapped, epoch)
+    buffer = _add(buffer, {"x": jnp.array([0, 1], jnp.int32)})
+    epoch = _plan(buffer, jax.random.key(0), 2)
+    wrapped = _add(buffer, {"x": jnp.array([[2, 4], [3, 5]], jnp.int32)})  # each cluster wraps
+    sample, _ = _epoch_batch(wrapped, epoch, 0)
     with pytest.raises(eqx.EquinoxRuntimeError, match="written over by adds made after"):
         eb.check(sample)
     with pytest.raises(eqx.EquinoxRuntimeError, match="cluster_capacity=2 items"):

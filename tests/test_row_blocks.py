@@ -20,10 +20,34 @@ from .helpers import chi_square_pvalue
 R, L, BLOCKS, KEYS, BATCH = 4, 8, 2, 64, 128
 
 
+# The tests' setup (adds, priorities, the reference samples) runs compiled rather than
+# eagerly, where each JAX operation is a program of its own to compile; a refused operation
+# raises there too (`eb.filter_jit`).
+
+
+@eb.filter_jit
+def _add(buffer, batch):
+    """`buffer.add(batch)`, compiled (a refused add raises, as eagerly)."""
+    return buffer.add(batch)
+
+
+@eb.filter_jit
+def _set_priorities(buffer, *args, **kwargs):
+    """`buffer.set_priorities(*args, **kwargs)`, compiled (a refusal raises, as eagerly)."""
+    return buffer.set_priorities(*args, **kwargs)
+
+
+@eqx.filter_jit
+def _numbers(storage, cluster, slot):
+    """`storage.numbers(cluster, slot)`, compiled."""
+    return storage.numbers(cluster, slot)
+
+
 def _filled(buffer, steps=11):
-    t = jnp.arange(R * steps, dtype=jnp.int32).reshape(R, steps)
+    t = np.arange(R * steps, dtype=np.int32).reshape(R, steps)
     done = (t % 5) == 0
-    return buffer.add({"t": t, "r": t.astype(jnp.float32), "done": done})
+    batch = {"t": jnp.asarray(t), "r": jnp.asarray(t, jnp.float32), "done": jnp.asarray(done)}
+    return _add(buffer, batch)
 
 
 EXAMPLE = {"t": jnp.int32(0), "r": jnp.float32(0), "done": jnp.bool_(False)}
@@ -49,6 +73,23 @@ def _slot_steps(buffer, indices):
     return (11 - buffer.storage.fill + offset).astype(jnp.uint32)
 
 
+@eb.filter_jit
+def _set_at_slots(buffer, indices, priorities):
+    """`buffer.set_priorities` of the windows at flat `indices`, each with its step."""
+    return buffer.set_priorities(indices, priorities, steps=_slot_steps(buffer, indices))
+
+
+@eqx.filter_jit
+def _first_and_plain(buffer, sample):
+    """The first of a vmapped `sample`, and the plain gather of its indices (padded with
+    its mask, for an episode buffer)."""
+    one = jax.tree.map(lambda x: x[0], sample)
+    plain = buffer.view.gather(buffer.storage, one.indices, getattr(one, "mask", None))
+    if getattr(one, "mask", None) is not None:
+        plain = buffer.view.padded(plain, one.mask)
+    return one, plain
+
+
 def _valid(buffer) -> np.ndarray:
     """1 at the flat index of every window the buffer may draw, from its global sample."""
     keys = jax.random.split(jax.random.key(99), KEYS)
@@ -63,7 +104,7 @@ def test_each_block_draws_its_own_rows_by_the_rule(kind):
         # Unequal priorities over every window ever valid (stale ones are dropped).
         indices = jnp.arange(R * L)
         p = jnp.asarray(np.random.default_rng(1).uniform(0.1, 3.0, R * L), jnp.float32)
-        buffer = buffer.set_priorities(indices, p, steps=_slot_steps(buffer, indices))
+        buffer = _set_at_slots(buffer, indices, p)
         target = np.asarray(buffer.tree.values(), np.float64)
     else:
         target = _valid(buffer).astype(np.float64)
@@ -81,10 +122,7 @@ def test_each_block_draws_its_own_rows_by_the_rule(kind):
             probabilities = np.asarray(sample.probabilities).reshape(indices.shape)[:, b]
             np.testing.assert_allclose(probabilities, own[drawn] / own.sum(), rtol=1e-5)
     # The experience is the drawn windows' (the plain gather of the same indices).
-    one = jax.tree.map(lambda x: x[0], sample)
-    plain = buffer.view.gather(buffer.storage, one.indices, getattr(one, "mask", None))
-    if getattr(one, "mask", None) is not None:
-        plain = buffer.view.padded(plain, one.mask)
+    one, plain = _first_and_plain(buffer, sample)
     for x, y in zip(jax.tree.leaves(one.experience), jax.tree.leaves(plain), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -117,10 +155,18 @@ def test_a_block_with_nothing_to_draw_raises():
     buffer = _filled(KINDS["prioritised"]())
     per = R // BLOCKS * L
     indices = jnp.arange(per)  # every window of block 0 to priority 0
-    buffer = buffer.set_priorities(indices, jnp.zeros(per), steps=_slot_steps(buffer, indices))
+    buffer = _set_at_slots(buffer, indices, jnp.zeros(per))
     eb.filter_jit(lambda b: b.sample(jax.random.key(0), 8))(buffer)  # globally fine
     with pytest.raises(eqx.EquinoxRuntimeError, match="one of the row_blocks=2 blocks"):
         eb.filter_jit(lambda b: b.sample(jax.random.key(0), 8, row_blocks=BLOCKS))(buffer)
+
+
+@eqx.filter_jit
+def _set_and_search_blocks(tree, values, blocks, probe):
+    """After `set` of every leaf to `values`: `block_totals(blocks)` and
+    `search_blocks(probe)`, in one compiled call."""
+    tree = tree.set(jnp.arange(values.shape[0]), values)
+    return tree.block_totals(blocks), tree.search_blocks(probe)
 
 
 @pytest.mark.parametrize(
@@ -132,9 +178,7 @@ def test_sum_tree_block_search_matches_numpy(capacity, blocks):
     values = rng.uniform(0.0, 2.0, capacity).astype(np.float32)
     values[rng.random(capacity) < 0.4] = 0.0
     values[: capacity // blocks // 2] = 0.0  # leading zeros in block 0
-    tree = eb.SumTree(capacity).set(jnp.arange(capacity), jnp.asarray(values))
     blocks_of = values.reshape(blocks, -1).astype(np.float64)
-    np.testing.assert_allclose(tree.block_totals(blocks), blocks_of.sum(1), rtol=1e-5)
     # Every block's cumulative ranges, probed at their middles, at 0 and at the total: block
     # b's probes in row b, padded with 0.0 (its first positive leaf), searched in one call.
     per = capacity // blocks
@@ -150,7 +194,10 @@ def test_sum_tree_block_search_matches_numpy(capacity, blocks):
     width = max(len(p) for p in probes)
     probe = np.stack([np.pad(p, (0, width - len(p))) for p in probes])
     want = np.stack([np.pad(e, (0, width - len(e)), constant_values=e[-3]) for e in expected])
-    leaves, found = tree.search_blocks(jnp.asarray(probe, jnp.float32))
+    totals, (leaves, found) = _set_and_search_blocks(
+        eb.SumTree(capacity), jnp.asarray(values), blocks, jnp.asarray(probe, jnp.float32)
+    )
+    np.testing.assert_allclose(totals, blocks_of.sum(1), rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(leaves), want)
     np.testing.assert_array_equal(np.asarray(found), values[want])
 
@@ -160,6 +207,12 @@ def test_sum_tree_block_search_matches_numpy(capacity, blocks):
 CAP, WIDTH = 8, 4  # cluster_capacity, slots per block (2 blocks)
 SHARES = (0.5, 0.3, 0.2)
 CLUSTERED = {"t": jnp.int32(0), "c": jnp.int32(0)}
+
+
+def _cluster_of(item):
+    """Each item's cluster: its `c` (one function for every buffer, so that a buffer's
+    compiled programs serve every buffer of its kind and sizes)."""
+    return item["c"]
 
 
 def _clustered(kind, **kw):
@@ -172,12 +225,12 @@ def _clustered(kind, **kw):
         add_batch_size=2,
         num_clusters=3,
         cluster_capacity=CAP,
-        cluster_fn=lambda item: item["c"],
+        cluster_fn=_cluster_of,
         weights=SHARES,
         **kw,
     )
     t = np.arange(20, dtype=np.int32).reshape(10, 2).T
-    return buffer.add({"t": jnp.asarray(t), "c": jnp.asarray(c, jnp.int32)})
+    return _add(buffer, {"t": jnp.asarray(t), "c": jnp.asarray(c, jnp.int32)})
 
 
 def _held_in_block(buffer) -> np.ndarray:
@@ -226,7 +279,9 @@ def test_clustered_blocks_draw_their_own_slots_by_the_cluster_rule():
     np.testing.assert_array_equal(cluster, np.asarray(sample.indices) // CAP)
     np.testing.assert_array_equal(sample.experience["t"], np.asarray(data["t"])[cluster, slot])
     np.testing.assert_array_equal(sample.experience["c"], cluster)
-    _, number = buffer.storage.numbers(sample.cluster.reshape(-1), sample.indices.reshape(-1) % CAP)
+    _, number = _numbers(
+        buffer.storage, sample.cluster.reshape(-1), sample.indices.reshape(-1) % CAP
+    )
     np.testing.assert_array_equal(np.asarray(sample.steps).ravel(), np.asarray(number))
 
 
@@ -238,9 +293,14 @@ def test_prioritised_clustered_blocks_draw_by_their_own_totals():
     p[1, 4:] = 0.0  # every item of cluster 1 in block 1 at priority 0: its share moves
     slots = np.arange(CAP)
     cluster, slot = np.nonzero(slots[None, :] < held[:, None])
-    _, steps = buffer.storage.numbers(jnp.asarray(cluster, jnp.int32), jnp.asarray(slot, jnp.int32))
-    buffer = buffer.set_priorities(
-        jnp.asarray(cluster * CAP + slot, jnp.int32), jnp.asarray(p[cluster, slot]), steps=steps
+    _, steps = _numbers(
+        buffer.storage, jnp.asarray(cluster, jnp.int32), jnp.asarray(slot, jnp.int32)
+    )
+    buffer = _set_priorities(
+        buffer,
+        jnp.asarray(cluster * CAP + slot, jnp.int32),
+        jnp.asarray(p[cluster, slot]),
+        steps=steps,
     )
     leaf = np.where(slots[None, :] < held[:, None], p.astype(np.float64) ** alpha, 0.0)
     law = _cluster_law(buffer, leaf)
@@ -289,16 +349,16 @@ def test_clustered_block_with_nothing_held_raises(kind):
         add_batch_size=2,
         num_clusters=3,
         cluster_capacity=CAP,
-        cluster_fn=lambda item: item["c"],
+        cluster_fn=_cluster_of,
     )
     # 3 items per cluster: block 1 (slots 4-7) of every cluster is empty.
-    buffer = buffer.add({"t": jnp.zeros((2, 3), jnp.int32), "c": jnp.array([[0, 1, 2]] * 2)})
+    buffer = _add(buffer, {"t": jnp.zeros((2, 3), jnp.int32), "c": jnp.array([[0, 1, 2]] * 2)})
     sample = eb.filter_jit(lambda b: b.sample(jax.random.key(0), 8))
     sample(buffer)  # globally fine
     blocks = eb.filter_jit(lambda b: b.sample(jax.random.key(0), 8, row_blocks=2))
     with pytest.raises(eqx.EquinoxRuntimeError, match="in one of the row_blocks=2 blocks of slots"):
         blocks(buffer)
-    buffer = buffer.add({"t": jnp.zeros((2, 2), jnp.int32), "c": jnp.zeros((2, 2), jnp.int32)})
+    buffer = _add(buffer, {"t": jnp.zeros((2, 2), jnp.int32), "c": jnp.zeros((2, 2), jnp.int32)})
     assert blocks(buffer).cluster.reshape(2, 4)[1].tolist() == [0] * 4  # only cluster 0 there
 
 
@@ -306,8 +366,8 @@ def test_prioritised_clustered_block_at_priority_zero_raises():
     buffer = _clustered(eb.PrioritisedClusteredBuffer)
     cluster = jnp.array([0, 0, 0, 0, 1, 1], jnp.int32)  # every item held in block 1
     slot = jnp.array([4, 5, 6, 7, 4, 5], jnp.int32)
-    _, steps = buffer.storage.numbers(cluster, slot)
-    buffer = buffer.set_priorities(cluster * CAP + slot, jnp.zeros(6), steps=steps)
+    _, steps = _numbers(buffer.storage, cluster, slot)
+    buffer = _set_priorities(buffer, cluster * CAP + slot, jnp.zeros(6), steps=steps)
     eb.filter_jit(lambda b: b.sample(jax.random.key(0), 8))(buffer)  # globally fine
     with pytest.raises(eqx.EquinoxRuntimeError, match="every item held in the clusters of"):
         eb.filter_jit(lambda b: b.sample(jax.random.key(0), 8, row_blocks=2))(buffer)
@@ -331,7 +391,9 @@ def test_mixer_block_d_is_block_d_of_each_source():
     assert sample.row_blocks == 2
     # The sources' own samples, with the keys the mixer gives them.
     k0, k1 = jax.random.split(key, 2)
-    own = (ring.sample(k0, 4, row_blocks=2), prioritised.sample(k1, 12, beta=0.5, row_blocks=2))
+    own = eb.filter_jit(
+        lambda r, p: (r.sample(k0, 4, row_blocks=2), p.sample(k1, 12, beta=0.5, row_blocks=2))
+    )(ring, prioritised)
     expected = np.concatenate(
         [
             np.asarray(own[0].experience["t"]).reshape(2, 2, -1),
@@ -353,7 +415,7 @@ def test_mixer_block_d_is_block_d_of_each_source():
     priorities = jnp.arange(1.0, 17.0)
     updated = eb.filter_jit(lambda m, s: m.set_priorities(s, priorities))(mixer, sample)
     mine = priorities.reshape(2, 8)[:, 2:].reshape(-1)
-    direct = prioritised.set_priorities(own[1], mine)
+    direct = _set_priorities(prioritised, own[1], mine)
     np.testing.assert_array_equal(
         np.asarray(updated.buffers[1].tree.values()), np.asarray(direct.tree.values())
     )
@@ -373,7 +435,8 @@ def test_mixer_row_blocks_must_divide_every_share():
         mixer.sample(jax.random.key(0), 12, row_blocks=0)
     # A source of share 0 is skipped; a source's own condition is its own message.
     skipped = eb.Mixer((ring, prioritised), (1.0, 0.0))
-    assert skipped.sample(jax.random.key(0), 4, row_blocks=2).source.tolist() == [0] * 4
+    sample = eb.filter_jit(lambda m: m.sample(jax.random.key(0), 4, row_blocks=2))(skipped)
+    assert sample.source.tolist() == [0] * 4
     with pytest.raises(
         ValueError, match=r"TrajectoryBuffer.sample\(\): row_blocks=8 must divide add_batch_size=4"
     ):
@@ -386,11 +449,11 @@ def test_mixer_row_blocks_must_divide_every_share():
 def test_rate_limited_passes_row_blocks_and_counts_the_whole_batch():
     buffer = _filled(KINDS["prioritised"]())
     limited = eb.RateLimited(buffer, samples_per_insert=4.0, tolerance=64.0)
-    limited = limited.add({"t": jnp.zeros((R, 2), jnp.int32), **_steps(2)})
+    limited = _add(limited, {"t": jnp.zeros((R, 2), jnp.int32), **_steps(2)})
     credit = float(limited.credit())
     key = jax.random.key(7)
     after, sample = eb.filter_jit(lambda r: r.sample(key, 8, row_blocks=2, beta=0.4))(limited)
-    own = limited.buffer.sample(key, 8, beta=0.4, row_blocks=2)
+    own = eb.filter_jit(lambda b: b.sample(key, 8, beta=0.4, row_blocks=2))(limited.buffer)
     for x, y in zip(jax.tree.leaves(sample), jax.tree.leaves(own), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert float(after.credit()) == credit - 8

@@ -56,13 +56,13 @@ class Frames(eqx.Module):
         buffer = eb.TransitionBuffer(example, add_batch_size=1, capacity=16,
                                      frames=eb.Frames("obs", k=3, episode_end="done"))
         assert buffer.storage.data["obs"].shape == (1, 16, 2)  # one frame per step
-        frames = jnp.arange(5, dtype=jnp.uint8)[None, :, None] * jnp.ones(2, jnp.uint8)
+        frames = jnp.broadcast_to(jnp.arange(5, dtype=jnp.uint8)[None, :, None], (1, 5, 2))
         buffer = buffer.add({"obs": frames, "done": jnp.zeros((1, 5), bool)})  # single frames
         pair = buffer.sample(jax.random.key(0), batch_size=8).experience
         assert pair.first["obs"].shape == (8, 2, 3)
-        newest = pair.first["obs"][:, 0, -1]
-        oldest = jnp.maximum(newest.astype(int) - 2, 0)  # the first frame repeated before it
-        assert (pair.first["obs"][:, 0, 0] == oldest).all()
+        newest = pair.first["obs"][:, 0, -1].astype(jnp.int32)
+        oldest = jnp.maximum(newest - 2, 0)  # the first frame repeated before it
+        assert (pair.first["obs"][:, 0, 0].astype(jnp.int32) == oldest).all()
         ```
     """
 

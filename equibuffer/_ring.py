@@ -245,10 +245,9 @@ class RingStorage(eqx.Module):
             ring = eb.RingStorage(example, rows=1, length=8,
                                   frames=eb.Frames("obs", k=2, episode_end="done"))
             done = jnp.array([[False, True, False]])  # episodes: steps 0-1, then 2
-            ring = ring.write({"obs": jnp.arange(3.0)[None, :, None] * jnp.ones(1),
-                               "done": done})
-            obs = ring.take(jnp.array([1, 2]))["obs"]  # (2 steps, 1 feature, k=2)
-            assert obs[:, 0].tolist() == [[0.0, 1.0], [2.0, 2.0]]  # step 2 starts its episode
+            ring = ring.write({"obs": jnp.arange(3.0)[None], "done": done})  # single frames
+            obs = ring.take(jnp.array([1, 2]))["obs"]  # (2 steps, k=2)
+            assert obs.tolist() == [[0.0, 1.0], [2.0, 2.0]]  # step 2 starts its episode
             ```
         """
 

@@ -20,6 +20,7 @@ PACKAGE = pathlib.Path(equibuffer.__file__).resolve().parent
 # The floors, lowest first: a module may import from its own floor or any floor below.
 FLOORS: list[set[str]] = [
     {"_custom_types", "_checks", "_carried", "_errors", "_barriers", "_protocol", "_axes"},
+    {"_episodes", "_frames"},
     {"_ring"},
     {"_sumtree"},
     {"rules"},

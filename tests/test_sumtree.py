@@ -270,14 +270,23 @@ def _way(fn, in_turn: int, pairwise: int):
     return eqx.filter_jit(way)
 
 
-def _ways(fn) -> list:
-    """The three ways a write of a small batch can go on the CPU: one entry after the other
-    (the default there), and by one scatter per level (elsewhere's way) after the pairwise
-    comparison or after the marks; each `fn` jitted by a function of its own (`_way`)."""
-    return [_way(fn, _writes.IN_TURN, _writes.PAIRWISE), _way(fn, 0, 64), _way(fn, 0, 0)]
+def _ways(write, reads) -> list:
+    """`write` with a mask, then without one, and the `reads` of the tree after each (one
+    compiled call), in the three ways a write of a small batch can go on the CPU: one entry
+    after the other (the default there), and by one scatter per level (elsewhere's way)
+    after the pairwise comparison or after the marks; each jitted by a function of its own
+    (`_way`)."""
+
+    def masked_then_not(tree, indices, values, mask, back_indices, back_values):
+        masked = write(tree, indices, values, mask=mask)
+        unmasked = write(masked, back_indices, back_values)
+        return masked, reads(masked), unmasked, reads(unmasked)
+
+    ways = [(_writes.IN_TURN, _writes.PAIRWISE), (0, 64), (0, 0)]
+    return [_way(masked_then_not, in_turn, pairwise) for in_turn, pairwise in ways]
 
 
-_WRITE_WAYS = _ways(SumTree.write)
+_WRITE_WAYS = _ways(SumTree.write, _reads)
 
 
 @settings(max_examples=budget(25), deadline=None)
@@ -292,12 +301,13 @@ def test_write_with_repeated_indices_matches_numpy(case):
         tree = SumTree(capacity, *layout)
         ref = np.zeros(capacity, np.float32)
         for indices, values, mask in batches:
-            tree = write(tree, jnp.asarray(indices), jnp.asarray(values), mask=jnp.asarray(mask))
+            masked, reads, tree, back_reads = write(  # then `indices[::-1]`, no mask
+                tree, *(jnp.asarray(x) for x in (indices, values, mask, indices[::-1], values))
+            )
             _assign(ref, indices, values, mask)
-            _check_against(tree, ref)
-            tree = write(tree, jnp.asarray(indices[::-1]), jnp.asarray(values))  # no mask
+            _check_against(masked, ref, reads)
             _assign(ref, indices[::-1], values)
-            _check_against(tree, ref)
+            _check_against(tree, ref, back_reads)
 
 
 # `_writes.last_of_each` by the pairwise comparison (the default for a small batch) and by the
@@ -526,9 +536,10 @@ def _trees_reads(trees: SumTrees) -> tuple:
     return [(tree, _reads(tree)) for tree in each], trees.values(), trees.totals()
 
 
-def _check_trees(trees: SumTrees, ref: np.ndarray) -> None:
-    """Every tree's row against its NumPy leaves (as a `SumTree`), and the batched reads."""
-    each, values, totals = _trees_reads(trees)
+def _check_trees(reads: tuple, ref: np.ndarray) -> None:
+    """Every tree's row against its NumPy leaves (as a `SumTree`), and the batched reads
+    (`reads`: the trees' `_trees_reads`)."""
+    each, values, totals = reads
     assert len(each) == ref.shape[0]
     for t, (tree, reads) in enumerate(each):
         _check_against(tree, ref[t], reads)
@@ -538,7 +549,7 @@ def _check_trees(trees: SumTrees, ref: np.ndarray) -> None:
 
 
 _trees_write = eqx.filter_jit(SumTrees.write)
-_TREES_WRITE_WAYS = _ways(SumTrees.write)
+_TREES_WRITE_WAYS = _ways(SumTrees.write, _trees_reads)
 
 
 @settings(max_examples=budget(25), deadline=None)
@@ -554,15 +565,16 @@ def test_sum_trees_write_matches_numpy(case):
         ref = np.zeros((count, capacity), np.float32)
         for tree, leaf, values, mask in batches:
             at = (jnp.asarray(tree, jnp.int32), jnp.asarray(leaf))
-            trees = write(trees, at, jnp.asarray(values), mask=jnp.asarray(mask))
+            _, reads, trees, back_reads = write(  # then `values[::-1]`, no mask
+                trees, at, jnp.asarray(values), jnp.asarray(mask), at, jnp.asarray(values[::-1])
+            )
             for t in range(count):
                 mine = tree == t
                 _assign(ref[t], leaf[mine], values[mine], mask[mine])
-            _check_trees(trees, ref)
-            trees = write(trees, at, jnp.asarray(values[::-1]))  # no mask
+            _check_trees(reads, ref)
             for t in range(count):
                 _assign(ref[t], leaf[tree == t], values[::-1][tree == t])
-            _check_trees(trees, ref)
+            _check_trees(back_reads, ref)
 
 
 @eqx.filter_jit
@@ -589,8 +601,9 @@ def test_sum_trees_write_deduplicates_before_the_value_scatter(batch):
     names = [e.primitive.name for e in scatters(promised(trees, at, values).jaxpr)]
     assert "scatter-min" not in names
     written = _written_values(trees, at, values)
+    entries = [np.asarray(x) for x in (*at, values)]  # (read once, not element by element)
     for t in range(3):  # the last value of each (tree, leaf)
-        last = {int(leaf): float(v) for tr, leaf, v in zip(*at, values, strict=True) if tr == t}
+        last = {int(leaf): float(v) for tr, leaf, v in zip(*entries, strict=True) if tr == t}
         got = np.asarray(written[t])
         assert {i: float(got[i]) for i in last} == last and float(got[2:].sum()) == 0
 

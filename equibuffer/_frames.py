@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from ._checks import as_example_leaf, check_positive_int, keystr
-from ._episodes import check_episode_end, check_episode_end_kind, EpisodeEnd
+from ._episodes import check_episode_end, check_episode_end_kind, ends_of, EpisodeEnd
 
 
 Padding: TypeAlias = Literal["reset", "zeros"]
@@ -132,6 +132,12 @@ class Frames(eqx.Module):
         frames = Frames(self.leaf, k, axis, self.padding, end)
         check_episode_end(where, frames.stored(example), end)
         return frames
+
+    def ends_of(self, steps: Any, batch_dims: int) -> Array:
+        """The episode-end flag of every step of `steps` (leaves `(*batch, *stored leaf)`,
+        `batch_dims` batch axes), by the `episode_end` that `checked` resolved."""
+        assert self.episode_end is not None, "a ring's frames are checked (episode_end resolved)"
+        return ends_of(self.episode_end, steps, batch_dims)
 
     def stored(self, example: Any) -> Any:
         """The example of one stored step (`jax.ShapeDtypeStruct` leaves): the stacked

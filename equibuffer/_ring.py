@@ -18,7 +18,6 @@ from ._checks import (
     keystr,
 )
 from ._custom_types import Count, ExampleTree, ExperienceBatch, IntScalar, StepCount
-from ._episodes import ends_of
 from ._errors import cleared, error_if, first_failure, raise_recorded
 from ._frames import frame_at, Frames, leaf_position, stack_sources
 
@@ -267,9 +266,7 @@ class RingStorage(eqx.Module):
         else:
             back = jnp.arange(1, frames.k, dtype=flat.dtype).reshape(*(1,) * flat.ndim, -1)
             before = row[..., None] * length + (slot[..., None] - back) % length
-            ends = ends_of(
-                frames.episode_end, jax.tree.map(lambda x: plain(x, before), self.data), before.ndim
-            )
+            ends = frames.ends_of(jax.tree.map(lambda x: plain(x, before), self.data), before.ndim)
             offset = (slot - self.head + self.fill) % length
             slots, inside = stack_sources(frames, slot, offset, ends)
             stacks = plain(leaves[i], row[..., None] * length + slots % length)
@@ -411,13 +408,16 @@ class RingStorage(eqx.Module):
         held = jax.tree.map(lambda x: x[:, last], self.data)
         first = (self.count_lo == 0) & (self.count_hi == 0)
         prev = jnp.concatenate([jax.tree.leaves(held)[i][:, None], newest[:, :-1]], axis=1)
-        ends = ends_of(frames.episode_end, jax.tree.map(jnp.asarray, batch), 2)
-        start = ends_of(frames.episode_end, held, 1) | first
+        ends = frames.ends_of(jax.tree.map(jnp.asarray, batch), 2)
+        start = frames.ends_of(held, 1) | first
         starts = jnp.concatenate([start[:, None], ends[:, :-1]], axis=1)
         pad = newest if frames.padding == "reset" else jnp.zeros_like(newest)
         starts = starts.reshape(*starts.shape, *(1,) * (newest.ndim - 2))
         expected = jnp.where(starts, pad, prev)
-        return unvmap_any(jnp.any(jnp.asarray(older) != expected))
+        # Compared bit for bit, reduced by a max of the xor as unsigned integers (on the CPU
+        # 3x faster than `any(older != expected)`, whose booleans are reduced unvectorised).
+        differ = jnp.max(_bits(jnp.asarray(older)) ^ _bits(expected))
+        return unvmap_any(differ != 0)
 
     def write(self, batch: ExperienceBatch, where: str = "add()") -> "RingStorage":
         """Append one step (leaves `(rows, *leaf)`) or `T` steps (leaves `(rows, T, *leaf)`)
@@ -591,6 +591,14 @@ class RingStorage(eqx.Module):
             for bit in range(31, -1, -1):
                 acc = (acc * jnp.uint32(2) + ((word >> bit) & jnp.uint32(1))) % m
         return acc.astype(jnp.int32)
+
+
+def _bits(x: Array) -> Array:
+    """`x` as unsigned integers of its width (its bits; bools as uint8)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint8)
+    unsigned = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+    return x if x.dtype == unsigned else jax.lax.bitcast_convert_type(x, unsigned)
 
 
 def check_batch(

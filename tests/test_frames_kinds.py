@@ -206,3 +206,91 @@ def test_frames_split_over_devices_match_one_device():
     out = run_on_host_devices(SHARDED, devices=2, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "sharded frames ok" in out.stdout
+
+
+def test_a_queue_returns_stacks_and_keeps_the_frames_they_read():
+    """`Queue(frames=)`: each rollout comes back as the wrapper's stacks, in order; an add
+    that would overwrite the `k - 1` steps before the oldest unread one (whose frames its
+    stack holds) is refused as a full queue's add is."""
+    rows, length, s = 2, 8, 3
+    history = History(rows, K, "reset", -1)
+    rng = np.random.default_rng(7)
+    queue = eb.Queue(
+        _example(K, -1),
+        add_batch_size=rows,
+        max_length_time_axis=length,
+        sequence_length=s,
+        frames=_frames(),
+    )
+    read = 0
+    for _ in range(5):
+        _, stacked, done = history.steps(rng, s, 0.3)
+        queue = queue.add(
+            {"obs": jnp.asarray(stacked), "reward": jnp.ones((rows, s)), "done": jnp.asarray(done)}
+        )
+        queue, sample = queue.sample()
+        for r in range(rows):
+            for j in range(s):
+                np.testing.assert_array_equal(
+                    np.asarray(sample.experience["obs"][r, j]), history.stack(r, read + j)
+                )
+        read += s
+    # 6 slots of 8 hold unread steps or the k - 1 = 2 before them: room for 2 more, not 3
+    _, stacked, done = history.steps(rng, 4, 0.0)
+    queue = queue.add(
+        {
+            "obs": jnp.asarray(stacked[:, :4]),
+            "reward": jnp.ones((rows, 4)),
+            "done": jnp.asarray(done[:, :4]),
+        }
+    )
+    assert bool(queue.can_add(2)) and not bool(queue.can_add(3))
+    with pytest.raises(Exception, match=r"or the k - 1 = 2 steps before them \(their frames\)"):
+        queue.add(
+            {
+                "obs": jnp.zeros((rows, 3, 2), jnp.int32),
+                "reward": jnp.ones((rows, 3)),
+                "done": jnp.zeros((rows, 3), bool),
+            }
+        )
+    with pytest.raises(ValueError, match="plus the k - 1 = 2 steps before them"):
+        eb.Queue(
+            _example(K, -1),
+            add_batch_size=1,
+            max_length_time_axis=4,
+            sequence_length=3,
+            frames=_frames(),
+        )
+
+
+def test_the_archive_stores_frames_once_and_restores_a_working_buffer(tmp_path):
+    """An `Archive` of a buffer that stacks frames holds one frame per step on disk, and
+    `restore` gives back a buffer whose samples are the wrapper's stacks."""
+    rows, t = 2, 30
+    history = History(rows, K, "reset", -1)
+    single, _, done = history.steps(np.random.default_rng(8), t, 0.3)
+    buffer = eb.TransitionBuffer(
+        _example(K, -1), add_batch_size=rows, max_length_time_axis=16, frames=_frames()
+    )
+    with eb.Archive(str(tmp_path / "run.zarr"), buffer) as archive:
+        for i in range(0, t, 10):
+            buffer = buffer.add(
+                {
+                    "obs": jnp.asarray(single[:, i : i + 10]),
+                    "reward": jnp.ones((rows, 10)),
+                    "done": jnp.asarray(done[:, i : i + 10]),
+                }
+            )
+            archive.write(buffer)
+        assert archive.read(0, 30)["obs"].shape == (2, 30, 2)  # one frame per step
+        np.testing.assert_array_equal(archive.read(0, 30)["obs"], single)
+        fresh = eb.TransitionBuffer(
+            _example(K, -1), add_batch_size=2, max_length_time_axis=16, frames=_frames()
+        )
+        restored = archive.restore(fresh)
+    for x, y in zip(
+        jax.tree.leaves(buffer.storage), jax.tree.leaves(restored.storage), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    sample = restored.sample(jax.random.key(2), 64)
+    _check_sample("transition", restored, history, sample, t)

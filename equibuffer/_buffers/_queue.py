@@ -12,6 +12,7 @@ from .._axes import on_auto_axes
 from .._checks import check_positive_int
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar
 from .._errors import error_if, recorded
+from .._frames import Frames
 from .._ring import check_like, RingStorage
 from ..views._gather import gather_slots
 from ._base import AbstractRingHolder, Sample, update_storage, UpdateFn
@@ -60,6 +61,7 @@ class Queue(AbstractRingHolder):
         add_batch_size: int,
         sequence_length: int,
         add_sequence_length: int | None = None,
+        frames: Frames | None = None,
         **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
@@ -75,6 +77,11 @@ class Queue(AbstractRingHolder):
             `max_length_time_axis` (per row, Flashbax's name), as [`equibuffer.Sizes`][] says;
             at least `sequence_length` per row. A queue has no minimum: `can_sample()` is true
             once every row holds `sequence_length` unread steps.
+        - `frames`: an [`equibuffer.Frames`][], to store one frame per step of a stacked
+            observation leaf and return the stacks (see [Pixels](../pixels.md)). The queue
+            then also keeps the `k - 1` steps before its oldest unread one, whose frames that
+            step's stack holds: an add that would overwrite them is refused as a full
+            queue's is (`can_add` says so).
         """
         where = "Queue()"
         given = SizeArgs.of(where, sizes)
@@ -84,14 +91,22 @@ class Queue(AbstractRingHolder):
                     f"{where}: `{name}` is not taken: a queue has no minimum size, "
                     "`can_sample()` is true once every row holds `sequence_length` unread steps."
                 )
-        self.storage = given.storage(where, example, add_batch_size, flat=False)
+        if frames is not None and not isinstance(frames, Frames):
+            raise TypeError(f"{where}: `frames` must be an eb.Frames, got {frames!r}.")
+        self.storage = given.storage(where, example, add_batch_size, flat=False, frames=frames)
         length = self.storage.length
         self.sequence_length = check_positive_int(where, "sequence_length", sequence_length)
-        if self.sequence_length > length:
+        if self.sequence_length + self.storage.lookback > length:
+            frames_note = (
+                f" plus the k - 1 = {self.storage.lookback} steps before them that the frames' "
+                "stacks read"
+                if self.storage.lookback
+                else ""
+            )
             raise ValueError(
-                f"{where}: sequence_length={sequence_length} is larger than the queue "
-                f"(max_length_time_axis={length} steps per row); raise the size (capacity or "
-                "max_length_time_axis) or shorten sequence_length."
+                f"{where}: sequence_length={sequence_length}{frames_note} is larger than the "
+                f"queue (max_length_time_axis={length} steps per row); raise the size (capacity "
+                "or max_length_time_axis) or shorten sequence_length."
             )
         if add_sequence_length is not None:
             add_sequence_length = check_positive_int(
@@ -174,7 +189,7 @@ class Queue(AbstractRingHolder):
                 )
             steps = self.add_sequence_length
         steps = check_positive_int("Queue.can_add()", "steps", steps)
-        return self.unread + steps <= self.storage.length
+        return self.unread + steps + self.storage.lookback <= self.storage.length
 
     def epoch(self, key: PRNGKeyArray, batch_size: int) -> NoReturn:
         """Refused (`TypeError`): a `Queue` already returns each step exactly once, in order
@@ -285,12 +300,14 @@ class Queue(AbstractRingHolder):
                 f"max_length_time_axis={length}; add fewer steps at a time or raise the size "
                 "(capacity or max_length_time_axis)."
             )
-        full = self.unread + t > length
+        lookback = self.storage.lookback
+        full = self.unread + t + lookback > length
+        kept = f" or the k - 1 = {lookback} steps before them (their frames)" if lookback else ""
         unread = error_if(
             jnp.where(full, self.unread, self.unread + t),
             full,
             f"Queue.add(): the queue is full: adding {t} steps per row would overwrite unread "
-            f"steps (max_length_time_axis={length}). Sample first, or check "
+            f"steps{kept} (max_length_time_axis={length}). Sample first, or check "
             f"`queue.can_add({t})`.",
         )
         storage, _ = self.storage.append(batch, "Queue.add()", refused=full)  # refused: as it was
@@ -356,7 +373,11 @@ class Queue(AbstractRingHolder):
         def on_cpu(data: ExperienceBatch) -> ExperienceBatch:
             return jax.lax.cond(slot <= length - s, sliced, gathered, data)
 
-        experience = jax.lax.platform_dependent(storage.data, cpu=on_cpu, default=gathered)
+        if storage.frames is not None:  # (the stacks read the steps before each one)
+            slots = (slot + jnp.arange(s, dtype=jnp.int32)) % length
+            experience = storage.take(rows[:, None] * length + slots[None, :])
+        else:
+            experience = jax.lax.platform_dependent(storage.data, cpu=on_cpu, default=gathered)
         queue = eqx.tree_at(lambda q: q.unread, self, jnp.where(short, unread, unread - s))
         return queue, Sample(experience=experience, indices=indices, steps=steps)
 

@@ -294,3 +294,22 @@ def test_the_archive_stores_frames_once_and_restores_a_working_buffer(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     sample = restored.sample(jax.random.key(2), 64)
     _check_sample("transition", restored, history, sample, t)
+
+
+def test_an_epoch_visits_every_drawable_step_once_with_its_stacks():
+    """Epochs see the windows `sample` draws: after a wrap, every step but the `k - 1`
+    oldest (and the newest, which has no second yet), once each, as stacks."""
+    buffer, history, t = _filled(length=12, t=20)
+    epoch = buffer.epoch(jax.random.key(0), batch_size=8)
+    seen = []
+    for i in range(int(epoch.num_batches())):
+        sample, valid = buffer.epoch_batch(epoch, i)
+        _check_sample("transition", buffer, history, sample, t)
+        rows = np.asarray(sample.indices) // 12
+        seen += [
+            (int(r), int(s))
+            for r, s, v in zip(rows, np.asarray(sample.steps), np.asarray(valid), strict=True)
+            if v
+        ]
+    oldest = t - 12
+    assert sorted(seen) == [(r, s) for r in range(2) for s in range(oldest + K - 1, t - 1)]

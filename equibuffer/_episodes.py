@@ -31,15 +31,16 @@ def check_episode_end(where: str, example: Any, episode_end: Any) -> EpisodeEnd:
     """Validate `episode_end` against the example (a tree of `jax.ShapeDtypeStruct`s)."""
     episode_end = check_episode_end_kind(where, episode_end)
     if isinstance(episode_end, str):
-        if not isinstance(example, Mapping) or episode_end not in example:
+        leaf = _named(example, episode_end)
+        if leaf is None:
             leaves = jax.tree_util.tree_flatten_with_path(example)[0]
             names = ", ".join(keystr(p) for p, _ in leaves)
             raise ValueError(
                 f"{where}: `episode_end={episode_end!r}` names no top-level leaf of the example "
-                f"(its leaves are {names}). Name a boolean 0-d leaf of a dict example, or pass "
-                "a function `step -> bool`, e.g. `lambda s: s['terminated'] | s['truncated']`."
+                f"(its leaves are {names}). Name a boolean 0-d leaf (a key of a dict example, "
+                "or an attribute), or pass a function `step -> bool`, e.g. "
+                "`lambda s: s['terminated'] | s['truncated']`."
             )
-        leaf = example[episode_end]
         shape, dtype = tuple(leaf.shape), jnp.dtype(leaf.dtype)
         if shape != () or dtype != jnp.bool_:
             raise TypeError(
@@ -65,8 +66,16 @@ def ends_of(episode_end: EpisodeEnd, steps: Any, batch_dims: int) -> Bool[Array,
     """The episode-end flag of every step of `steps`, a tree of leaves
     `(*batch, *leaf)` with `batch_dims` batch axes (`episode_end` checked already)."""
     if isinstance(episode_end, str):
-        return steps[episode_end]
+        return steps[episode_end] if isinstance(steps, Mapping) else getattr(steps, episode_end)
     fn = episode_end
     for _ in range(batch_dims):
         fn = jax.vmap(fn)
     return fn(steps)
+
+
+def _named(tree: Any, name: str) -> Any:
+    """The top-level leaf `name` of `tree` (a dict's key, or an attribute), None if none."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if len(path) == 1 and getattr(path[0], "key", getattr(path[0], "name", None)) == name:
+            return leaf
+    return None

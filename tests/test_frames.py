@@ -401,3 +401,36 @@ def test_clustered_buffers_refuse_frames_saying_why():
             cluster_fn=lambda s: jnp.int32(0),
             frames=eb.Frames("obs", k=4, episode_end="done"),
         )
+
+
+def test_an_episode_end_attribute_of_a_module_example():
+    """`episode_end` names a leaf of a dict example or an attribute of a module one, for the
+    frames and for an episode-aware rule alike."""
+    import equinox as eqx
+
+    class Step(eqx.Module):
+        obs: jax.Array
+        done: jax.Array
+
+    example = Step(jnp.zeros((2, 3), jnp.int32), jnp.bool_(False))
+    frames = eb.Frames("obs", k=3, episode_end="done")
+    buffer = eb.TransitionBuffer(example, add_batch_size=1, capacity=8, frames=frames)
+    buffer = buffer.add(
+        Step(
+            jnp.arange(4, dtype=jnp.int32).reshape(1, 4, 1) * jnp.ones((1, 1, 2), jnp.int32),
+            jnp.array([[False, True, False, False]]),
+        )
+    )
+    stacks = buffer.storage.take(jnp.array([2, 3])).obs[:, 0]
+    assert stacks.tolist() == [[2, 2, 2], [2, 2, 3]]  # step 2 starts an episode
+    episodic = eb.EpisodeTrajectoryBuffer(
+        example, add_batch_size=1, capacity=8, sequence_length=2, episode_end="done"
+    )
+    assert (
+        int(
+            episodic.add(
+                Step(jnp.zeros((1, 4, 2, 3), jnp.int32), jnp.array([[False, True, False, False]]))
+            ).num_valid_windows()
+        )
+        == 2
+    )

@@ -18,7 +18,7 @@ from scipy import stats
 
 import equibuffer as eb
 
-from .helpers import budget
+from .helpers import budget, spread
 
 
 FRAME = (2,)  # each frame: [row * 10_000 + step, step], so every frame is its own
@@ -172,7 +172,7 @@ def _check_sample(kind, buffer, history, sample, added):
             )
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", spread(KINDS))
 @settings(max_examples=budget(12))
 @given(data=st.data())
 def test_samples_hold_the_wrappers_stacks(kind, data):

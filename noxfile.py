@@ -303,8 +303,8 @@ def bench(session: nox.Session) -> None:
 
     `nox -s bench -- --quick` runs every script at small sizes; `nox -s bench -- core` (or
     `calls`, `prioritised`, `step`, `archive`, `issue6`, `ring_write`, `devices`, `writers`,
-    `programs`, `loader`, `epochs`, `clusters`, `checkpoint`, `import`) runs one, with any further
-    arguments passed to it.
+    `programs`, `loader`, `epochs`, `clusters`, `checkpoint`, `import`, `pixels`) runs one, with
+    any further arguments passed to it.
     (`bench_gpu` is not among them: it is for a lent GPU, through `benchmarks/gpu.sh`.) The
     figures in `benchmarks/README.md` come from Python 3.12 and jax 0.12 (`nox
     --force-python 3.12 -s bench`); on 3.11 the same scripts measure jax 0.10.
@@ -326,6 +326,7 @@ def bench(session: nox.Session) -> None:
         "clusters",
         "checkpoint",
         "import",
+        "pixels",
     ]
     args = list(session.posargs)
     chosen = [a for a in args if a in names] or names

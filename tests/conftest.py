@@ -168,11 +168,17 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+# The bad inputs the fuzz tests tried, by kind and by the message that refused each
+# (tests/test_fuzz.py reports them per test, through xdist): summed in the terminal summary.
+_BAD_INPUTS: collections.Counter = collections.Counter()
+
+
 def pytest_runtest_logreport(report):
-    if report.when == "call":
-        for key, ran in report.user_properties:
-            if key == "stateful_sequences":
-                _REPORTED.update(ran)
+    for key, ran in report.user_properties:
+        if key == "stateful_sequences" and report.when == "call":
+            _REPORTED.update(ran)
+        elif key == "bad_inputs" and report.when == "teardown":  # (a fixture's, at teardown)
+            _BAD_INPUTS.update({tuple(k.split("\t")): n for k, n in ran.items()})
 
 
 def pytest_sessionfinish(session):
@@ -184,6 +190,11 @@ def pytest_sessionfinish(session):
 
 
 def pytest_terminal_summary(terminalreporter, config):
+    if _BAD_INPUTS:
+        terminalreporter.section("bad inputs refused")
+        for (kind, message), n in sorted(_BAD_INPUTS.items()):
+            terminalreporter.write_line(f"{kind}: {n} refused with '{message}'")
+        terminalreporter.write_line(f"total: {sum(_BAD_INPUTS.values())} bad inputs refused")
     wanted = config.getoption("--min-sequences")
     if not (os.environ.get(STATEFUL_EXAMPLES) or wanted):
         return

@@ -327,6 +327,12 @@ def test_sequences_given_as_one_thing_are_refused_by_name(as_users_run):
     )
 
 
-def teardown_module():
-    for (name, message), n in sorted(TRIED.items()):
-        print(f"test_fuzz: {name}: {n} bad set_priorities refused with '{message}'")
+@pytest.fixture(autouse=True)
+def _report_bad_inputs(request):
+    """Each test's bad inputs, by kind and message, in its report: the terminal summary
+    counts them (tests/conftest.py), also across xdist workers."""
+    before = collections.Counter(TRIED)
+    yield
+    tried = {f"{k}\t{m}": n - before[k, m] for (k, m), n in TRIED.items() if n > before[k, m]}
+    if tried:
+        request.node.user_properties.append(("bad_inputs", tried))

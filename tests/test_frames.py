@@ -180,7 +180,7 @@ def test_samples_hold_the_wrappers_stacks(kind, data):
     several steps, stacked or single frames; the samples hold the wrapper's stacks."""
     k = data.draw(st.integers(1, 4), label="k")
     rows = data.draw(st.integers(1, 2), label="rows")
-    length = data.draw(st.integers(max(3, k), 8), label="length")
+    length = data.draw(st.integers(2 + k, 9), label="length")  # (a window and k - 1 steps)
     padding = data.draw(st.sampled_from(["reset", "zeros"]), label="padding")
     axis = data.draw(st.sampled_from([-1, 0]), label="axis")
     p_done = data.draw(st.sampled_from([0.0, 0.3, 0.7]), label="p_done")
@@ -324,6 +324,12 @@ def test_bad_configuration_is_refused_naming_what_to_pass():
     _errors(build(eb.Frames("obs", k=4, episode_end="reward")), r"must be a 0-d bool")
     _errors(build(eb.Frames("obs", k=4, episode_end="terminated"), episode_end="done"), r"disagree")
     _errors(build("obs"), r"`frames` must be an eb.Frames|Frames \| None")
+    small = eb.Frames("obs", k=4, episode_end="done")
+    _errors(
+        lambda: eb.TransitionBuffer(ex, add_batch_size=1, max_length_time_axis=4, frames=small),
+        r"must hold one window of 2 steps \(one transition\) and the k - 1 = 3 steps before it, "
+        r"5 steps, but it holds max_length_time_axis=4",
+    )
     # An episode-aware rule's episode ends are the frames' own.
     buffer = eb.TransitionBuffer(
         ex, add_batch_size=1, capacity=8, episode_end="done", frames=eb.Frames("obs", k=4)

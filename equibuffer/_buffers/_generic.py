@@ -60,6 +60,16 @@ def compose(
         frames = frames.checked(where, example, rule_end)
     storage = given.storage(where, example, add_batch_size, flat=flat, frames=frames)
     view = view.checked(where, storage)
+    if storage.length < view.window_length + storage.lookback:
+        # Once the ring wraps, its `k - 1` oldest steps start no window: with fewer steps per
+        # row than a window and them, nothing could be drawn again.
+        raise ValueError(
+            f"{where}: with frames stacked by k={storage.lookback + 1}, a row must hold one "
+            f"window of {view.window_name} and the k - 1 = {storage.lookback} steps before it, "
+            f"{view.window_length + storage.lookback} steps, but it holds "
+            f"max_length_time_axis={storage.length}; raise the size (capacity or "
+            "max_length_time_axis)."
+        )
     period = check_positive_int(where, "period", period)
     minimum = given.min_length_time_axis_for(
         where, storage, view.window_length, view.window_name, flat=flat

@@ -133,6 +133,26 @@ class Frames(eqx.Module):
         check_episode_end(where, frames.stored(example), end)
         return frames
 
+    def for_stored(self, where: str, stored: Any, rule_end: EpisodeEnd | None = None) -> "Frames":
+        """This configuration checked, as `checked` does, against the example of one
+        *stored* step (the frames leaf one frame, as an archive holds it): `axis` counts in
+        the stacked observation, whose shape is the frame's with `k` frames at `axis`."""
+        path, leaf = leaf_named(where, stored, self.leaf)
+        k = check_positive_int(where, "Frames.k", self.k, limit=2**16)
+        nd = len(leaf.shape) + 1
+        if isinstance(self.axis, bool) or not isinstance(self.axis, int):
+            raise TypeError(f"{where}: `Frames.axis` must be an int, got {self.axis!r}.")
+        if not -nd <= self.axis < nd:
+            raise ValueError(
+                f"{where}: `Frames.axis={self.axis}` is not an axis of a stack of the leaf "
+                f"{keystr(path)}'s frames, of shape {tuple(leaf.shape)}."
+            )
+        axis = self.axis % nd
+        stacked = _with_leaf(stored, self.leaf, lambda s: _struct(_with(s.shape, axis, k), s))
+        return Frames(self.leaf, k, axis, self.padding, self.episode_end).checked(
+            where, stacked, rule_end
+        )
+
     def ends_of(self, steps: Any, batch_dims: int) -> Array:
         """The episode-end flag of every step of `steps` (leaves `(*batch, *stored leaf)`,
         `batch_dims` batch axes), by the `episode_end` that `checked` resolved."""

@@ -387,7 +387,7 @@ def test_a_shape_that_is_neither_a_stack_nor_a_frame_is_refused():
     buffer = eb.TransitionBuffer(
         _example(4, -1),
         add_batch_size=2,
-        capacity=8,
+        capacity=16,
         frames=eb.Frames("obs", k=4, episode_end="done"),
     )
     bad = {"obs": jnp.zeros((2, 5), jnp.int32), "reward": jnp.ones(2), "done": jnp.zeros(2, bool)}

@@ -313,3 +313,79 @@ def test_an_epoch_visits_every_drawable_step_once_with_its_stacks():
         ]
     oldest = t - 12
     assert sorted(seen) == [(r, s) for r in range(2) for s in range(oldest + K - 1, t - 1)]
+
+
+@pytest.mark.parametrize("view", ["transition", "window"])
+def test_the_archive_loader_returns_stacks(tmp_path, view):
+    """`ArchiveLoader(frames=)` over an archive of frames: one epoch visits every window
+    once, each step a stack of its own episode (the loader's look-back read with it)."""
+    rows, t = 2, 40
+    history = History(rows, K, "reset", -1)
+    single, _, done = history.steps(np.random.default_rng(9), t, 0.3)
+    buffer = eb.TransitionBuffer(
+        _example(K, -1), add_batch_size=rows, max_length_time_axis=64, frames=_frames()
+    )
+    buffer = buffer.add(
+        {"obs": jnp.asarray(single), "reward": jnp.ones((rows, t)), "done": jnp.asarray(done)}
+    )
+    window = 2 if view == "transition" else 3
+    kwargs = {"view": "transition"} if view == "transition" else {"sequence_length": 3}
+    seen = []
+    with eb.Archive(str(tmp_path / "run.zarr"), buffer) as archive:
+        archive.write(buffer)
+        with eb.ArchiveLoader(
+            archive,
+            jax.random.key(0),
+            batch_size=16,
+            block_steps=8,
+            pool_blocks=2,
+            epochs=1,
+            frames=_frames(),
+            **kwargs,
+        ) as loader:
+            for batch in loader:
+                for i in np.flatnonzero(np.asarray(batch.mask)):
+                    r, s = int(batch.rows[i]), int(batch.starts[i])
+                    seen.append((r, s))
+                    if view == "transition":
+                        got = [batch.experience.first["obs"][i], batch.experience.second["obs"][i]]
+                    else:
+                        got = [batch.experience["obs"][i, j] for j in range(window)]
+                    for j, stack in enumerate(got):
+                        np.testing.assert_array_equal(np.asarray(stack), history.stack(r, s + j))
+    # the archive starts at the source's first step: every window, the first ones included
+    assert sorted(seen) == [(r, s) for r in range(rows) for s in range(t - window + 1)]
+
+
+def test_the_archive_loader_skips_starts_whose_frames_it_lacks(tmp_path):
+    """An archive whose first steps were lost (the ring wrapped before the first write)
+    does not hold the frames before its first step: the loader starts no window in its
+    first `k - 1` steps, and every later one holds the wrapper's stacks."""
+    rows, t, length = 2, 30, 16
+    history = History(rows, K, "reset", -1)
+    single, _, done = history.steps(np.random.default_rng(10), t, 0.3)
+    buffer = eb.TransitionBuffer(
+        _example(K, -1), add_batch_size=rows, max_length_time_axis=length, frames=_frames()
+    )
+    buffer = buffer.add(
+        {"obs": jnp.asarray(single), "reward": jnp.ones((rows, t)), "done": jnp.asarray(done)}
+    )
+    seen = []
+    with pytest.warns(eb.StepsLostWarning):
+        archive = eb.Archive(str(tmp_path / "run.zarr"), buffer, on_lost="warn")
+        archive.write(buffer)
+    with (
+        archive,
+        eb.ArchiveLoader(
+            archive, jax.random.key(1), batch_size=8, view="transition", epochs=1, frames=_frames()
+        ) as loader,
+    ):
+        for batch in loader:
+            for i in np.flatnonzero(np.asarray(batch.mask)):
+                r, s = int(batch.rows[i]), int(batch.starts[i])
+                seen.append((r, s))
+                source = s + t - length  # the archive's index s holds source step s + 14
+                np.testing.assert_array_equal(
+                    np.asarray(batch.experience.first["obs"][i]), history.stack(r, source)
+                )
+    assert sorted(seen) == [(r, s) for r in range(rows) for s in range(K - 1, length - 1)]

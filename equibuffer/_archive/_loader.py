@@ -27,11 +27,13 @@ import numpy as np
 from jaxtyping import Array, Bool, Int, PyTree, Shaped
 
 from .._checks import check_positive_int
+from .._frames import Frames, leaf_position
 from .._ring import RingStorage
 from ..rules._valid import segment_starts
 from ..views._base import AbstractView
 from ..views._nstep import check_discount, check_leaves, check_n_step, NStepView
 from ..views._pair import PairView
+from ..views._window import WindowView
 from ._archive import Archive
 from ._reader import Reader
 from ._sampler import generator, Seed
@@ -77,6 +79,7 @@ class _Block:
     stop: int
     read_stop: int
     starts: np.ndarray  # the starts valid by the counters (aligned, inside one segment)
+    read_first: int  # where its steps are read from: `first`, or before it the frames' look-back
 
 
 @dataclasses.dataclass
@@ -114,6 +117,18 @@ def _valid_starts(
             starts = first + k_lo * period, first + k_hi * period
             parts.append(np.arange(*starts, period, dtype=np.int64))
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _stacks_held(
+    segments: list[tuple[int, int]], starts: np.ndarray, lookback: int, fresh: bool
+) -> np.ndarray:
+    """Which `starts` have the `lookback` steps before them in their own segment, the
+    frames their stacks read: all but the first `lookback` of a segment, unless it is the
+    archive's first and starts at the source's first step ever (an episode's first step)."""
+    firsts = np.asarray([a for a, _ in segments], np.int64)
+    seg = np.searchsorted(firsts, starts, side="right") - 1
+    held = starts - firsts[seg] >= lookback
+    return held | (fresh & (seg == 0) & (firsts[0] == 0))
 
 
 class ArchiveLoader:
@@ -155,6 +170,13 @@ class ArchiveLoader:
         `TransitionBuffer`), computed by the buffers' own views.
     - `episode_end`: the name of a boolean top-level leaf marking an episode's last step:
         windows never contain an end before their last step.
+    - `frames`: an [`equibuffer.Frames`][], for an archive that holds one frame per step of a
+        stacked observation (an `Archive` of a buffer with `frames=`): every step of a batch
+        comes back as the stack the frame-stacking wrapper returned (see
+        [Pixels](../pixels.md)), read with the `k - 1` steps before each window. Its episode
+        ends are `episode_end`'s unless it names its own leaf. A window starts no earlier
+        than `k - 1` steps into a segment, whose earlier frames the archive does not hold,
+        unless the segment starts at the source's first step (its first episode's start).
     - `block_steps`: the steps of a block (default: the archive's `block_steps`, about 32
         MiB of whole shards). Make it a multiple of `shard_steps`, or shards are read twice.
     - `pool_blocks`: blocks per group: the windows of a batch come from this many random
@@ -206,6 +228,7 @@ class ArchiveLoader:
         terminated: str = "terminated",
         truncated: str | None = "truncated",
         episode_end: str | None = None,
+        frames: Frames | None = None,
         block_steps: int | None = None,
         pool_blocks: int = 4,
         prefetch: int = 2,
@@ -270,6 +293,21 @@ class ArchiveLoader:
                     f"got {leaf.dtype} of shape {leaf.shape}."
                 )
             self._end = i
+        self._frames: Frames | None = None
+        self._frame_end = -1
+        if frames is not None:
+            if not isinstance(frames, Frames):
+                raise TypeError(f"{where}: `frames` must be an eb.Frames, got {frames!r}.")
+            self._frames = frames.for_stored(where, example, episode_end)
+            if not isinstance(self._frames.episode_end, str):
+                raise TypeError(
+                    f"{where}: the loader's frames read their episode ends from a leaf: give "
+                    "`episode_end=` the name of the archive's 0-d bool episode-end leaf."
+                )
+            self._frame_end = leaf_position(example, self._frames.episode_end)
+            if self._view is None:  # (the stacks of each window's steps)
+                self._view = WindowView(self.window)
+        self.lookback = 0 if self._frames is None else self._frames.lookback
         self._words = [int(w) for w in generator(where, key).integers(0, 2**32, 4)]
         self._blocks = self._plan()
         self.num_windows = int(
@@ -287,10 +325,13 @@ class ArchiveLoader:
         self._device = device
         self._template: RingStorage | None = None
         if self._view is not None:
-            self._template = RingStorage(example, rows=self.batch_size, length=self.window)
-            self._template = self._template.with_counters(
-                head=0, fill=self.window, steps_added=self.window
+            # With frames, each row holds a window and the `k - 1` steps before it.
+            length = self.window + self.lookback
+            stacked = example if self._frames is None else self._frames.stacked(example)
+            self._template = RingStorage(
+                stacked, rows=self.batch_size, length=length, frames=self._frames
             )
+            self._template = self._template.with_counters(head=0, fill=length, steps_added=length)
         self._stop = threading.Event()
         self._slots = threading.Semaphore(2)  # groups resident: drawn from, and read ahead
         self._groups: queue.Queue = queue.Queue()
@@ -343,14 +384,19 @@ class ArchiveLoader:
         """Every block with at least one window valid by the counters, in archive order."""
         blocks = []
         size, window = self.block_steps, self.window
+        b = self.lookback
         for m, reader in enumerate(self._readers):
             n = reader.commit.length
             segments = reader.commit.segments()
+            fresh = reader.commit.source_step(0) == 0 if n else False
             for lo in range(0, n, size):
                 hi = min(lo + size, n)
                 starts = _valid_starts(segments, lo, hi, window, self.period)
+                if b and len(starts):
+                    starts = starts[_stacks_held(segments, starts, b, fresh)]
                 if len(starts):
-                    blocks.append(_Block(m, lo, hi, int(starts[-1]) + window, starts))
+                    read_first = max(0, lo - b)
+                    blocks.append(_Block(m, lo, hi, int(starts[-1]) + window, starts, read_first))
         return blocks
 
     def _check_position(self, position: Any) -> LoaderPosition:
@@ -383,12 +429,13 @@ class ArchiveLoader:
     @property
     def resident_bytes(self) -> int:
         """The most bytes of data the loader holds on the host: two groups of blocks (with
-        their halos) and `prefetch + 2` batches."""
+        their halos, and with frames the `k - 1` steps before them) and `prefetch + 2`
+        batches."""
         layout = self._readers[0].layout
         step = sum(leaf.step_bytes for leaf in layout.leaves)
         rows = max(r.layout.rows for r in self._readers)
-        block = rows * (self.block_steps + self.window - 1) * step
-        batch = self.batch_size * self.window * step
+        block = rows * (self.block_steps + self.window - 1 + self.lookback) * step
+        batch = self.batch_size * (self.window + self.lookback) * step
         return 2 * self.pool_blocks * block + (self.prefetch + 2) * batch
 
     def __repr__(self) -> str:
@@ -414,20 +461,27 @@ class ArchiveLoader:
         for j, b in enumerate(ids.tolist()):
             block = self._blocks[b]
             reader = self._readers[block.member]
-            steps = block.read_stop - block.first
+            first = block.read_first
+            steps = block.read_stop - first
             outs = [
                 np.empty((reader.layout.rows, steps, *leaf.shape), np.dtype(leaf.stored))
                 for leaf in reader.layout.leaves
             ]
+            if first < block.first:  # the frames' look-back: only the chunks its steps touch
+                back = [o[:, : block.first - first] for o in outs]
+                reader.read_raw(first, block.first, slice(None), back, whole=False)
             main = min(block.stop, block.read_stop)
             reader.read_raw(
-                block.first, main, slice(None), [o[:, : main - block.first] for o in outs]
+                block.first,
+                main,
+                slice(None),
+                [o[:, block.first - first : main - first] for o in outs],
             )
             if block.read_stop > main:  # the halo: only the chunks its steps touch
-                halo = [o[:, main - block.first :] for o in outs]
+                halo = [o[:, main - first :] for o in outs]
                 reader.read_raw(main, block.read_stop, slice(None), halo, whole=False)
             rows = reader.layout.rows
-            local = block.starts - block.first
+            local = block.starts - first
             valid = np.ones((rows, len(local)), bool)
             if self._end is not None:
                 ends = outs[self._end].view(np.bool_)
@@ -517,7 +571,7 @@ class ArchiveLoader:
             while o < count:
                 if outs is None:
                     outs = [
-                        np.zeros((bs, window, *leaf.shape), np.dtype(leaf.stored))
+                        np.zeros((bs, window + self.lookback, *leaf.shape), np.dtype(leaf.stored))
                         for leaf in layout.leaves
                     ]
                     rows, starts = np.full(bs, -1, np.int64), np.full(bs, -1, np.int64)
@@ -566,14 +620,18 @@ class ArchiveLoader:
     def _gather(self, group: _Group, a: int, b: int, outs: list, fill: int) -> None:
         """Windows `a` to `b` of `group` into `outs[leaf][fill:]`."""
         blk, row, start = group.block[a:b], group.row[a:b], group.start[a:b]
-        steps = np.arange(self.window)
+        steps = np.arange(-self.lookback, self.window)  # (with frames, the look-back first)
         for j in np.unique(blk).tolist():
             sel = np.flatnonzero(blk == j)
             first = self._blocks[int(group.ids[j])]
             r = row[sel][:, None]
-            t = (start[sel] - first.first)[:, None] + steps
-            for out, data in zip(outs, group.data[j], strict=True):
+            t = (start[sel] - first.read_first)[:, None] + steps
+            before = t < 0  # (steps before the first ever: the archive's first episode starts)
+            t = np.maximum(t, 0)
+            for i, (out, data) in enumerate(zip(outs, group.data[j], strict=True)):
                 out[fill + sel] = data[r, t]
+                if i == self._frame_end and before.any():
+                    out[fill + sel] |= before.reshape(*before.shape, *(1,) * (out.ndim - 2))
 
     def _emit(self, outs: list, rows: Any, starts: Any, fill: int, after: LoaderPosition) -> bool:
         """One batch to the device, the view applied; False when the loader stopped."""
@@ -651,5 +709,5 @@ def _apply(view: AbstractView, template: RingStorage, windows: Any) -> Any:
     """The view of `windows` (leaves `(batch, window, *leaf)`), by the buffers' own code: a
     ring of `batch` rows of `window` steps holding them, each row one window."""
     ring = eqx.tree_at(lambda s: s.data, template, windows)
-    indices = jnp.arange(template.rows, dtype=jnp.int32) * template.length
+    indices = jnp.arange(template.rows, dtype=jnp.int32) * template.length + template.lookback
     return view.gather(ring, indices, None)

@@ -60,7 +60,7 @@ def compose(
         frames = frames.checked(where, example, rule_end)
     storage = given.storage(where, example, add_batch_size, flat=flat, frames=frames)
     view = view.checked(where, storage)
-    if storage.length < view.window_length + storage.lookback:
+    if storage.lookback and storage.length < view.window_length + storage.lookback:
         # Once the ring wraps, its `k - 1` oldest steps start no window: with fewer steps per
         # row than a window and them, nothing could be drawn again.
         raise ValueError(

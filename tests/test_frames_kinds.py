@@ -1,7 +1,8 @@
 """Frames stored once through the library's other parts (issue 46): a `Mixer` of buffers
 that stack frames, `RateLimited`, the checked step with donation and adds in a `lax.scan`,
 `eqx.tree_serialise_leaves`, `with_storage`, `vmap` over seeds, and rows split over two
-devices (`shard_rows`, both axis types, and `row_blocks`): each gives the wrapper's stacks."""
+devices (`shard_rows`, both axis types, and `row_blocks`) or one buffer per device
+(`per_device`): each gives the wrapper's stacks."""
 
 import textwrap
 
@@ -196,6 +197,35 @@ SHARDED = textwrap.dedent(
                         split, key)
                     _check_sample(name, split, history, blocked, added)
             assert tuple(split.storage.data["obs"].sharding.spec)[:1] == ("envs",), name
+
+        # per_device: one whole buffer per device, stepped by eqx.filter_vmap under jit
+        def local(key, buffer, batch):
+            buffer = buffer.add(batch)
+            return buffer, buffer.sample(key, 8)
+
+        by_vmap = eqx.filter_jit(eqx.filter_vmap(local), donate="all-except-first")
+        one = eqx.filter_jit(local, donate="all-except-first")
+        per = eb.per_device(builders["prioritised"](), mesh, "envs")
+        singles = [builders["prioritised"]() for _ in range(2)]
+        histories = [History(rows, k, "reset", -1) for _ in range(2)]
+        rng = np.random.default_rng(1)
+        for i in range(4):
+            batches = []
+            for d in range(2):
+                _, stacked, done = histories[d].steps(rng, 4, 0.3)
+                batches.append({"obs": stacked, "reward": np.ones((rows, 4), np.float32),
+                                "done": done})
+            keys = jax.random.split(jax.random.key(i), 2)
+            both = jax.tree.map(lambda *x: np.stack(x), *batches)
+            placed = jax.device_put((keys, both), NamedSharding(mesh, P("envs")))
+            per, s = by_vmap(placed[0], per, placed[1])
+            for d in range(2):
+                singles[d], sd = one(keys[d], singles[d], jax.tree.map(jnp.asarray, batches[d]))
+                mine = jax.tree.map(lambda x: np.asarray(x)[d], s)
+                for x, y in zip(jax.tree.leaves(mine), jax.tree.leaves(sd)):
+                    np.testing.assert_array_equal(x, np.asarray(y))
+                if bool(singles[d].can_sample()):
+                    _check_sample("prioritised", singles[d], histories[d], sd, 4 * (i + 1))
     print("sharded frames ok")
     """
 )

@@ -7,6 +7,7 @@ from typing import Any, cast, TypeAlias
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, PyTree, Shaped
 
 from ._checks import keystr
@@ -62,9 +63,12 @@ def check_episode_end(where: str, example: Any, episode_end: Any) -> EpisodeEnd:
     return cast(EpisodeEnd, episode_end)
 
 
-def ends_of(episode_end: EpisodeEnd, steps: Any, batch_dims: int) -> Bool[Array, "..."]:
+def ends_of(
+    episode_end: EpisodeEnd, steps: Any, batch_dims: int
+) -> Bool[Array | np.ndarray, "..."]:
     """The episode-end flag of every step of `steps`, a tree of leaves
-    `(*batch, *leaf)` with `batch_dims` batch axes (`episode_end` checked already)."""
+    `(*batch, *leaf)` with `batch_dims` batch axes (`episode_end` checked already): JAX
+    arrays, or NumPy ones on the host (an import's)."""
     if isinstance(episode_end, str):
         return steps[episode_end] if isinstance(steps, Mapping) else getattr(steps, episode_end)
     fn = episode_end

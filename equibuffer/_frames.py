@@ -153,7 +153,7 @@ class Frames(eqx.Module):
             where, stacked, rule_end
         )
 
-    def ends_of(self, steps: Any, batch_dims: int) -> Array:
+    def ends_of(self, steps: Any, batch_dims: int) -> Any:
         """The episode-end flag of every step of `steps` (leaves `(*batch, *stored leaf)`,
         `batch_dims` batch axes), by the `episode_end` that `checked` resolved."""
         assert self.episode_end is not None, "a ring's frames are checked (episode_end resolved)"

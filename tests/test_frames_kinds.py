@@ -15,7 +15,7 @@ import pytest
 import equibuffer as eb
 
 from .helpers import run_on_host_devices
-from .test_frames import _check_sample, _example, History
+from .test_frames import _check_sample, _example, History, wrapper_stack
 
 
 K = 3
@@ -419,3 +419,76 @@ def test_the_archive_loader_skips_starts_whose_frames_it_lacks(tmp_path):
                     np.asarray(batch.experience.first["obs"][i]), history.stack(r, source)
                 )
     assert sorted(seen) == [(r, s) for r in range(rows) for s in range(K - 1, length - 1)]
+
+
+def _stacked_d4rl(path, lengths, padding="reset"):
+    """A D4RL file whose observations are 3-frame stacks (each frame its own: [step, 7]),
+    episodes of `lengths` actions, each ended by a terminal; returns the stacks of every
+    observation the import holds, in its order (each episode's final one included)."""
+    import h5py
+
+    obs, nxt, held = [], [], []
+    step = 0
+    for n in lengths:
+        frames = [np.array([step + j, 7], np.int32) for j in range(n + 1)]
+        step += n + 1
+        dones = [False] * (n + 1)
+        stacks = [wrapper_stack(frames, dones, t, K, padding, -1) for t in range(n + 1)]
+        obs += stacks[:-1]
+        nxt += stacks[1:]
+        held += stacks
+    n = sum(lengths)
+    terminals = np.zeros(n, bool)
+    terminals[np.cumsum(lengths) - 1] = True
+    with h5py.File(path, "w") as f:
+        f["observations"] = np.stack(obs)
+        f["next_observations"] = np.stack(nxt)
+        f["actions"] = np.zeros((n, 1), np.float32)
+        f["rewards"] = np.ones(n, np.float32)
+        f["terminals"] = terminals
+        f["timeouts"] = np.zeros(n, bool)
+    return np.stack(held)
+
+
+def test_a_data_set_of_stacks_is_imported_one_frame_per_step(tmp_path, monkeypatch):
+    """`from_d4rl(frames=)`: the archive holds each stack's newest frame; the loader gives
+    the data set's stacks back, episodes never mixed; a data set stacked otherwise than
+    said (zeros where the configuration says reset) is refused before anything is kept."""
+    held = _stacked_d4rl(tmp_path / "d.hdf5", [5, 1, 4, 2])
+    frames = eb.Frames("observation", k=K)
+    archive = eb.from_d4rl(
+        tmp_path / "d.hdf5", tmp_path / "d.zarr", progress=False, frames=frames, memory=1 << 20
+    )
+    stored = archive.read()["observation"][0]
+    np.testing.assert_array_equal(stored, held[..., -1])  # the newest frames
+    assert archive.metadata["frames"]["k"] == K
+    # in blocks of 3 steps (each block's first stack checked against the step before it)
+    import equibuffer._offline._source as source
+
+    monkeypatch.setattr(source, "block_steps", lambda where, src, memory: 3)
+    small = eb.from_d4rl(tmp_path / "d.hdf5", tmp_path / "d3.zarr", progress=False, frames=frames)
+    np.testing.assert_array_equal(small.read()["observation"][0], stored)
+    seen = 0
+    with eb.ArchiveLoader(
+        archive,
+        jax.random.key(0),
+        batch_size=4,
+        view="transition",
+        episode_end="episode_end",
+        frames=frames,
+        epochs=1,
+    ) as loader:
+        for batch in loader:
+            for i in np.flatnonzero(np.asarray(batch.mask)):
+                s = int(batch.starts[i])
+                np.testing.assert_array_equal(
+                    np.asarray(batch.experience.first["observation"][i]), held[s]
+                )
+                np.testing.assert_array_equal(
+                    np.asarray(batch.experience.second["observation"][i]), held[s + 1]
+                )
+                seen += 1
+    assert seen == sum([5, 1, 4, 2])  # every transition inside an episode
+    _stacked_d4rl(tmp_path / "z.hdf5", [5, 1, 4, 2], padding="zeros")
+    with pytest.raises(eb.SourceError, match=r"disagree at step 0 of row 0.*padding='reset'"):
+        eb.from_d4rl(tmp_path / "z.hdf5", tmp_path / "z.zarr", progress=False, frames=frames)

@@ -10,6 +10,7 @@ from zarr.abc.store import Store
 
 from .._archive._archive import Archive
 from .._archive._format import Compression
+from .._frames import Frames
 from ._source import DEFAULT_MEMORY, import_source, ImportOptions, Source, SourceError
 
 
@@ -267,6 +268,7 @@ def from_d4rl(
     chunk_steps: int | None = None,
     shard_steps: int | None = None,
     storage_options: dict[str, Any] | None = None,
+    frames: Frames | None = None,
 ) -> Archive:
     """Import a D4RL-format HDF5 file (`observations`, `actions`, `rewards`, `terminals`,
     `timeouts`, and optionally `next_observations`, each one row per step) into an
@@ -297,6 +299,10 @@ def from_d4rl(
         dtypes): checked before anything is written, with an error naming each field.
     - `progress`: a tqdm progress bar.
     - `compression`, `chunk_steps`, `shard_steps`, `storage_options`: as for `eb.Archive`.
+    - `frames`: an [`equibuffer.Frames`][], to store one frame per step of an observation
+        leaf that holds stacked frames (each stack checked against the previous step's
+        frames); `eb.ArchiveLoader(..., frames=)` returns the stacks (see
+        [Pixels](../pixels.md)). Its episode ends default to the `episode_end` leaf.
 
     **Returns:**
 
@@ -327,6 +333,13 @@ def from_d4rl(
         D4RLSource(path),
         store,
         ImportOptions(
-            memory, like, progress, compression, chunk_steps, shard_steps, storage_options
+            memory,
+            like,
+            progress,
+            compression,
+            chunk_steps,
+            shard_steps,
+            storage_options,
+            frames,
         ),
     )

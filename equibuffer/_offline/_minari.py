@@ -28,6 +28,7 @@ from zarr.abc.store import Store
 
 from .._archive._archive import Archive
 from .._archive._format import Compression
+from .._frames import Frames
 from ._source import DEFAULT_MEMORY, import_source, ImportOptions, Source, SourceError
 
 
@@ -572,6 +573,7 @@ def from_minari(
     chunk_steps: int | None = None,
     shard_steps: int | None = None,
     storage_options: dict[str, Any] | None = None,
+    frames: Frames | None = None,
 ) -> Archive:
     """Import a local Minari data set into an `Archive`, streamed, resumably.
 
@@ -603,6 +605,10 @@ def from_minari(
         dtypes): checked before anything is written, with an error naming each field.
     - `progress`: a tqdm progress bar.
     - `compression`, `chunk_steps`, `shard_steps`, `storage_options`: as for `eb.Archive`.
+    - `frames`: an [`equibuffer.Frames`][], to store one frame per step of an observation
+        leaf that holds stacked frames (each stack checked against the previous step's
+        frames); `eb.ArchiveLoader(..., frames=)` returns the stacks (see
+        [Pixels](../pixels.md)). Its episode ends default to the `episode_end` leaf.
 
     **Returns:**
 
@@ -647,6 +653,13 @@ def from_minari(
         MinariSource(dataset),
         store,
         ImportOptions(
-            memory, like, progress, compression, chunk_steps, shard_steps, storage_options
+            memory,
+            like,
+            progress,
+            compression,
+            chunk_steps,
+            shard_steps,
+            storage_options,
+            frames,
         ),
     )

@@ -30,6 +30,7 @@ from .._archive._archive import Archive
 from .._archive._format import schema_diff, schema_of, StepSchema, storage_of
 from .._archive._reader import progress_bar
 from .._checks import check_positive_int
+from .._frames import frame_at, Frames, leaf_position
 
 
 MIN_MEMORY = 1 << 20  # the smallest staging bound accepted (bytes)
@@ -97,6 +98,77 @@ class ImportOptions:
     chunk_steps: int | None = None
     shard_steps: int | None = None
     storage_options: dict[str, Any] | None = None
+    frames: Frames | None = None
+
+
+class FramesSource(Source):
+    """A source whose observation leaf holds stacked frames, imported one frame per step
+    (`frames=` on an import): each step keeps its stack's newest frame, after checking that
+    the frame before it is the previous step's newest (or, at an episode's first step, the
+    padding), as a buffer's `add` checks it. What `eb.ArchiveLoader(..., frames=)` stacks
+    again."""
+
+    def __init__(self, inner: Source, frames: Frames):
+        where = inner.where
+        if not isinstance(frames, Frames):
+            raise TypeError(f"{where}: `frames` must be an eb.Frames, got {frames!r}.")
+        ends = "episode_end" if _has_leaf(inner.example, "episode_end") else None
+        self.frames = frames.checked(where, inner.example, ends)
+        self.inner = inner
+        self.where, self.rows, self.steps = where, inner.rows, inner.steps
+        self._i = leaf_position(inner.example, self.frames.leaf)
+        leaves, treedef = jax.tree.flatten(inner.example)
+        leaves[self._i] = frame_at(leaves[self._i][None], 1, self.frames.axis, 0)[0]
+        self.example = jax.tree.unflatten(treedef, leaves)
+        f = self.frames
+        said = {"leaf": f.leaf, "k": f.k, "axis": f.axis, "padding": f.padding}
+        self.metadata = {**inner.metadata, "frames": {**said, "episode_end": str(f.episode_end)}}
+        self.identity = {**inner.identity, "frames": said}
+
+    def read(self, start: int, stop: int) -> PyTree[np.ndarray]:
+        f, i = self.frames, self._i
+        first = max(0, start - 1)  # (the step before, whose frame the first stack holds)
+        steps = self.inner.read(first, stop)
+        leaves, treedef = jax.tree.flatten(steps)
+        stacks = np.asarray(leaves[i])
+        newest = frame_at(stacks, 2, f.axis, f.k - 1)
+        if f.k > 1:
+            older = frame_at(stacks, 2, f.axis, f.k - 2)
+            ends = np.asarray(f.ends_of(steps, 2))  # (rows, time)
+            starts = np.zeros(ends.shape, bool)
+            starts[:, 1:] = ends[:, :-1]
+            if first == 0:
+                starts[:, 0] = True
+            prev = np.concatenate([newest[:, :1], newest[:, :-1]], axis=1)
+            pad = newest if f.padding == "reset" else np.zeros_like(newest)
+            mask = starts.reshape(*starts.shape, *(1,) * (newest.ndim - 2))
+            expected = np.where(mask, pad, prev)
+            lo = start - first  # (the step before `start` was only read for its frame)
+            bad = np.any((older != expected).reshape(*older.shape[:2], -1), axis=-1)[:, lo:]
+            if bad.any():
+                row, t = (int(x[0]) for x in np.nonzero(bad))
+                raise SourceError(
+                    f"{self.where}: the data set's stacked observations [{f.leaf!r}] disagree "
+                    f"at step {start + t} of row {row}: frame {f.k - 2} of its stack (k={f.k}, "
+                    f"axis={f.axis}) is not the previous step's newest frame (nor, at an "
+                    f"episode's first step, the padding={f.padding!r} frame). Give the axis "
+                    "and padding the data set was stacked with, or import it whole (no "
+                    "`frames=`)."
+                )
+        leaves = [x[:, start - first :] for x in leaves]
+        leaves[i] = newest[:, start - first :]
+        return jax.tree.unflatten(treedef, leaves)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _has_leaf(tree: Any, name: str) -> bool:
+    try:
+        leaf_position(tree, name)
+    except KeyError:
+        return False
+    return True
 
 
 def check_like(where: str, example: PyTree[np.ndarray], like: Any) -> None:
@@ -152,8 +224,11 @@ def _stream(source: Source, archive: Archive, blocks: list[tuple[int, int]], bar
 def import_source(source: Source, store: Any, options: ImportOptions) -> Archive:
     """Stream `source` into the archive at `store` (created, or carried on where an earlier
     run of the same import stopped), in blocks of bounded size, and close the source; returns
-    the archive opened read-only."""
+    the archive opened read-only. With `options.frames`, one frame per step of the stacked
+    observation leaf (`FramesSource`)."""
     try:
+        if options.frames is not None:
+            source = FramesSource(source, options.frames)
         return _import(source, store, options)
     finally:
         source.close()

@@ -30,6 +30,7 @@ from zarr.abc.store import Store
 
 from .._archive._archive import Archive
 from .._archive._format import Compression
+from .._frames import Frames
 from ._source import DEFAULT_MEMORY, import_source, ImportOptions, Source, SourceError
 
 
@@ -313,6 +314,7 @@ def from_vault(
     chunk_steps: int | None = None,
     shard_steps: int | None = None,
     storage_options: dict[str, Any] | None = None,
+    frames: Frames | None = None,
 ) -> Archive:
     """Import a Flashbax Vault (written by `flashbax.vault.Vault`) into an
     [`equibuffer.Archive`][]: its rows (`add_batch_size`), its experience tree (the leaf
@@ -348,6 +350,10 @@ def from_vault(
     - `progress`: show a progress bar.
     - `compression`, `chunk_steps`, `shard_steps`, `storage_options`: the archive's (see
         [`equibuffer.Archive`][]).
+    - `frames`: an [`equibuffer.Frames`][], to store one frame per step of an observation
+        leaf that holds stacked frames (each stack checked against the previous step's
+        frames); `eb.ArchiveLoader(..., frames=)` returns the stacks (see
+        [Pixels](../pixels.md)). Its episode ends default to the `episode_end` leaf.
 
     **Returns:**
 
@@ -393,6 +399,7 @@ def from_vault(
         compression=compression,
         chunk_steps=chunk_steps,
         shard_steps=shard_steps,
+        frames=frames,
         storage_options=storage_options,
     )
     return import_source(source, store, options)

@@ -74,12 +74,16 @@ class Prioritised(ByTheCounters, AbstractPrioritisedRule):
         rows, length = storage.rows, storage.length
         offsets = changed_offsets(storage, appended.keep, window.length)
         m = offsets.shape[0]
+        slots = (storage.head - m + jnp.arange(m, dtype=jnp.int32)) % length  # (m <= length)
         # With frames, also the starts after the newest step, which an add may have made
         # invalid (their frames written over) but never valid anew: kept, or 0.
-        offsets = jnp.concatenate([offsets, lookback_offsets(storage, offsets)])
+        front = lookback_offsets(storage, offsets)
+        if front.shape[0]:
+            offsets = jnp.concatenate([offsets, front])
+            after = (storage.head + jnp.arange(front.shape[0], dtype=jnp.int32)) % length
+            slots = jnp.concatenate([slots, after])  # (each slot once)
         valid = windows_held(storage, offsets, window.length, window.period)
         fresh = self.max_priority**self.alpha
-        slots = offset_slots(storage, offsets)  # (each slot once)
         indices = flat_indices(rows, length, slots)
         if offsets.shape[0] == m:
             values = jnp.broadcast_to(jnp.where(valid, fresh, 0.0), (rows, m)).reshape(-1)

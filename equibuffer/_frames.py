@@ -251,3 +251,18 @@ def stack_sources(
     back = jnp.concatenate([back[..., ::-1], jnp.zeros_like(back[..., :1])], axis=-1)
     inside = jnp.concatenate([inside[..., ::-1], jnp.ones_like(inside[..., :1])], axis=-1)
     return slot[..., None] - back.astype(slot.dtype), inside
+
+
+def expected_older(
+    frames: Frames, newest: Any, before: Any, start: Any, ends: Any, xp: Any = jnp
+) -> Any:
+    """What frame `k - 2` of each stack of `T` consecutive steps must be, `(rows, T,
+    *frame)`: the previous step's newest frame, or the padding at an episode's first step.
+    `newest`: the steps' newest frames, `(rows, T, *frame)`; `before`: the newest frame of
+    the step before them, `(rows, *frame)`; `start`: whether the first of them starts an
+    episode, `(rows,)`; `ends`: the steps' episode-end flags, `(rows, T)`. Written once for a
+    ring's add inside jit (`xp=jax.numpy`) and for an import on the host (`xp=numpy`)."""
+    prev = xp.concatenate([before[:, None], newest[:, :-1]], axis=1)
+    starts = xp.concatenate([start[:, None], ends[:, :-1]], axis=1)
+    pad = newest if frames.padding == "reset" else xp.zeros_like(newest)
+    return xp.where(starts.reshape(*starts.shape, *(1,) * (newest.ndim - 2)), pad, prev)

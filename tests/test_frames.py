@@ -440,3 +440,35 @@ def test_an_episode_end_attribute_of_a_module_example():
         )
         == 2
     )
+
+
+def test_disagreeing_stacks_in_a_scan_under_plain_jit_change_nothing():
+    """The way a ported step runs: adds in a `lax.scan` under plain `eqx.filter_jit`. A stack
+    that disagrees with the frames held is refused there too: every array of data is as it
+    was, and the failure is recorded in the buffer (`eb.check` raises it)."""
+    rng = np.random.default_rng(4)
+    k, rows = 3, 2
+    history = History(rows, k, "reset", -1)
+    frames = eb.Frames("obs", k=k, episode_end="done")
+    buffer = eb.TransitionBuffer(_example(k, -1), add_batch_size=rows, capacity=32, frames=frames)
+    _, stacked, done = history.steps(rng, 3, 0.0)
+    buffer = buffer.add(
+        {"obs": jnp.asarray(stacked), "reward": jnp.ones((rows, 3)), "done": jnp.asarray(done)}
+    )
+    before = [np.asarray(x) for x in jax.tree.leaves(buffer.storage.data)]
+    _, stacked, done = history.steps(rng, 2, 0.0)
+
+    @eqx.filter_jit
+    def step(buffer, obs, done):
+        def body(buffer, x):
+            return buffer.add({"obs": x[0], "reward": jnp.ones(rows), "done": x[1]}), None
+
+        return jax.lax.scan(body, buffer, (jnp.swapaxes(obs, 0, 1), jnp.swapaxes(done, 0, 1)))[0]
+
+    refused = step(buffer, jnp.asarray(stacked[::-1]), jnp.asarray(done))  # rows swapped
+    for x, y in zip(before, jax.tree.leaves(refused.storage.data), strict=True):
+        np.testing.assert_array_equal(x, np.asarray(y))
+    with pytest.raises(Exception, match="disagree with the frames the buffer holds"):
+        eb.check(refused)
+    accepted = step(buffer, jnp.asarray(stacked), jnp.asarray(done))
+    assert int(accepted.size()) == rows * 5

@@ -30,7 +30,7 @@ from .._archive._archive import Archive
 from .._archive._format import schema_diff, schema_of, StepSchema, storage_of
 from .._archive._reader import progress_bar
 from .._checks import check_positive_int
-from .._frames import frame_at, Frames, leaf_position
+from .._frames import expected_older, frame_at, Frames, leaf_position
 
 
 MIN_MEMORY = 1 << 20  # the smallest staging bound accepted (bytes)
@@ -135,14 +135,10 @@ class FramesSource(Source):
         if f.k > 1:
             older = frame_at(stacks, 2, f.axis, f.k - 2)
             ends = np.asarray(f.ends_of(steps, 2))  # (rows, time)
-            starts = np.zeros(ends.shape, bool)
-            starts[:, 1:] = ends[:, :-1]
-            if first == 0:
-                starts[:, 0] = True
-            prev = np.concatenate([newest[:, :1], newest[:, :-1]], axis=1)
-            pad = newest if f.padding == "reset" else np.zeros_like(newest)
-            mask = starts.reshape(*starts.shape, *(1,) * (newest.ndim - 2))
-            expected = np.where(mask, pad, prev)
+            # The first step read starts an episode if it is the data set's first; otherwise
+            # it is the step before `start`, read for its frame only (its own check unused).
+            start_0 = np.full(ends.shape[0], first == 0)
+            expected = expected_older(f, newest, newest[:, 0], start_0, ends, np)
             lo = start - first  # (the step before `start` was only read for its frame)
             bad = np.any((older != expected).reshape(*older.shape[:2], -1), axis=-1)[:, lo:]
             if bad.any():

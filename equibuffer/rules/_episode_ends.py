@@ -43,7 +43,7 @@ class EpisodeEnds(eqx.Module):
 
     def of(self, steps: PyTree[Shaped[Array, "rows time ..."]]) -> Bool[Array, "rows time"]:
         """The episode-end flag of every step of a `(rows, time, *leaf)` tree."""
-        return ends_of(self.episode_end, steps, 2)
+        return jnp.asarray(ends_of(self.episode_end, steps, 2))
 
     def written(self, storage: RingStorage, appended: Appended) -> "EpisodeEnds":
         """The flags with those of the steps just written."""

@@ -32,8 +32,8 @@ def check_episode_end(where: str, example: Any, episode_end: Any) -> EpisodeEnd:
     """Validate `episode_end` against the example (a tree of `jax.ShapeDtypeStruct`s)."""
     episode_end = check_episode_end_kind(where, episode_end)
     if isinstance(episode_end, str):
-        leaf = _named(example, episode_end)
-        if leaf is None:
+        found = top_level(example, episode_end)
+        if found is None:
             leaves = jax.tree_util.tree_flatten_with_path(example)[0]
             names = ", ".join(keystr(p) for p, _ in leaves)
             raise ValueError(
@@ -42,6 +42,7 @@ def check_episode_end(where: str, example: Any, episode_end: Any) -> EpisodeEnd:
                 "or an attribute), or pass a function `step -> bool`, e.g. "
                 "`lambda s: s['terminated'] | s['truncated']`."
             )
+        leaf = found[2]
         shape, dtype = tuple(leaf.shape), jnp.dtype(leaf.dtype)
         if shape != () or dtype != jnp.bool_:
             raise TypeError(
@@ -77,9 +78,11 @@ def ends_of(
     return fn(steps)
 
 
-def _named(tree: Any, name: str) -> Any:
-    """The top-level leaf `name` of `tree` (a dict's key, or an attribute), None if none."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+def top_level(tree: Any, name: str) -> tuple[int, Any, Any] | None:
+    """`(position among the flattened leaves, path, leaf)` of the top-level leaf `name` of
+    `tree` (a dict's key, or an attribute), None if there is none: how `episode_end` and
+    `Frames.leaf` find the leaf they name."""
+    for i, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0]):
         if len(path) == 1 and getattr(path[0], "key", getattr(path[0], "name", None)) == name:
-            return leaf
+            return i, path, leaf
     return None

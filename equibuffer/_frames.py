@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from ._checks import as_example_leaf, check_positive_int, keystr
-from ._episodes import check_episode_end, check_episode_end_kind, ends_of, EpisodeEnd
+from ._episodes import check_episode_end, check_episode_end_kind, ends_of, EpisodeEnd, top_level
 
 
 Padding: TypeAlias = Literal["reset", "zeros"]
@@ -173,35 +173,29 @@ class Frames(eqx.Module):
 
 def leaf_named(where: str, tree: Any, name: str) -> tuple[Any, jax.ShapeDtypeStruct]:
     """The path and shape of the top-level leaf called `name` (a dict key or an attribute)."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if len(path) == 1 and _name(path[0]) == name:
-            return path, as_example_leaf(path, leaf)
-    names = ", ".join(keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
-    raise ValueError(
-        f"{where}: `Frames(leaf={name!r})` names no top-level leaf of the example (its leaves "
-        f"are {names}); name the observation leaf to stack."
-    )
+    found = top_level(tree, name)
+    if found is None:
+        names = ", ".join(keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+        raise ValueError(
+            f"{where}: `Frames(leaf={name!r})` names no top-level leaf of the example (its "
+            f"leaves are {names}); name the observation leaf to stack."
+        )
+    _, path, leaf = found
+    return path, as_example_leaf(path, leaf)
 
 
 def leaf_position(tree: Any, name: str) -> int:
     """The position, among the flattened leaves of `tree`, of the top-level leaf `name`."""
-    for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0]):
-        if len(path) == 1 and _name(path[0]) == name:
-            return i
-    raise KeyError(name)
+    found = top_level(tree, name)
+    if found is None:
+        raise KeyError(name)
+    return found[0]
 
 
 def frame_at(x: Any, batch_dims: int, axis: int, i: int) -> Any:
     """Frame `i` of stacked observations `x` (leading `batch_dims` axes, the stack on
     `axis` after them), by basic indexing (a NumPy array stays one)."""
     return x[(slice(None),) * (batch_dims + axis) + (i,)]
-
-
-def _name(key: Any) -> Any:
-    for attr in ("key", "name"):
-        if hasattr(key, attr):
-            return getattr(key, attr)
-    return None
 
 
 def _with_leaf(tree: Any, name: str, fn: Any) -> Any:

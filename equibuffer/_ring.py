@@ -256,6 +256,7 @@ class RingStorage(eqx.Module):
         frames = self.frames
         if frames is None:
             return jax.tree.map(lambda leaf: plain(leaf, flat), self.data)
+        flat = jnp.asarray(flat, jnp.int32)  # (indices of a ring are int32, also under x64)
         length = self.length
         row, slot = flat // length, flat % length
         leaves, treedef = jax.tree.flatten(self.data)

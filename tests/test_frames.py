@@ -253,7 +253,11 @@ def test_every_step_is_drawn_as_often_the_first_of_each_episode_included(kind):
     buffer = _kinds()[kind](_example(k, -1), rows, length, frames)
     single, _, done = history.steps(rng, 52, 0.35)  # wraps: 12 steps written over
     buffer = buffer.add(
-        {"obs": jnp.asarray(single), "reward": jnp.ones((rows, 52)), "done": jnp.asarray(done)}
+        {
+            "obs": jnp.asarray(single),
+            "reward": jnp.ones((rows, 52), jnp.float32),
+            "done": jnp.asarray(done),
+        }
     )
     draws = 40_000
     sample = eqx.filter_jit(lambda b, key: b.sample(key, batch_size=draws))(
@@ -348,12 +352,16 @@ def test_disagreeing_stacks_are_refused_and_nothing_is_lost():
     buffer = eb.TransitionBuffer(_example(k, -1), add_batch_size=rows, capacity=32, frames=frames)
     _, stacked, done = history.steps(rng, 3, 0.0)
     buffer = buffer.add(
-        {"obs": jnp.asarray(stacked), "reward": jnp.ones((rows, 3)), "done": jnp.asarray(done)}
+        {
+            "obs": jnp.asarray(stacked),
+            "reward": jnp.ones((rows, 3), jnp.float32),
+            "done": jnp.asarray(done),
+        }
     )
     _, stacked, done = history.steps(rng, 2, 0.0)
     swapped = {
         "obs": jnp.asarray(stacked[::-1]),
-        "reward": jnp.ones((rows, 2)),
+        "reward": jnp.ones((rows, 2), jnp.float32),
         "done": jnp.asarray(done),
     }
     message = re.escape(
@@ -363,7 +371,7 @@ def test_disagreeing_stacks_are_refused_and_nothing_is_lost():
         buffer.add(swapped)
     zeros_padded = {
         "obs": jnp.asarray(stacked) * 0,
-        "reward": jnp.ones((rows, 2)),
+        "reward": jnp.ones((rows, 2), jnp.float32),
         "done": jnp.asarray(done),
     }
     with pytest.raises(Exception, match=message):
@@ -379,7 +387,11 @@ def test_disagreeing_stacks_are_refused_and_nothing_is_lost():
         ):
             np.testing.assert_array_equal(x, np.asarray(y))
     # the buffer goes on from what it held: the right stacks are taken
-    right = {"obs": jnp.asarray(stacked), "reward": jnp.ones((rows, 2)), "done": jnp.asarray(done)}
+    right = {
+        "obs": jnp.asarray(stacked),
+        "reward": jnp.ones((rows, 2), jnp.float32),
+        "done": jnp.asarray(done),
+    }
     assert int(buffer.add(right).size()) == rows * 5
 
 
@@ -390,7 +402,11 @@ def test_a_shape_that_is_neither_a_stack_nor_a_frame_is_refused():
         capacity=16,
         frames=eb.Frames("obs", k=4, episode_end="done"),
     )
-    bad = {"obs": jnp.zeros((2, 5), jnp.int32), "reward": jnp.ones(2), "done": jnp.zeros(2, bool)}
+    bad = {
+        "obs": jnp.zeros((2, 5), jnp.int32),
+        "reward": jnp.ones(2, jnp.float32),
+        "done": jnp.zeros(2, bool),
+    }
     with pytest.raises(
         ValueError, match=r"expected stacked observations \(add_batch_size=2, 2, 4\)"
     ):
@@ -453,7 +469,11 @@ def test_disagreeing_stacks_in_a_scan_under_plain_jit_change_nothing():
     buffer = eb.TransitionBuffer(_example(k, -1), add_batch_size=rows, capacity=32, frames=frames)
     _, stacked, done = history.steps(rng, 3, 0.0)
     buffer = buffer.add(
-        {"obs": jnp.asarray(stacked), "reward": jnp.ones((rows, 3)), "done": jnp.asarray(done)}
+        {
+            "obs": jnp.asarray(stacked),
+            "reward": jnp.ones((rows, 3), jnp.float32),
+            "done": jnp.asarray(done),
+        }
     )
     before = [np.asarray(x) for x in jax.tree.leaves(buffer.storage.data)]
     _, stacked, done = history.steps(rng, 2, 0.0)
@@ -461,7 +481,9 @@ def test_disagreeing_stacks_in_a_scan_under_plain_jit_change_nothing():
     @eqx.filter_jit
     def step(buffer, obs, done):
         def body(buffer, x):
-            return buffer.add({"obs": x[0], "reward": jnp.ones(rows), "done": x[1]}), None
+            return buffer.add(
+                {"obs": x[0], "reward": jnp.ones(rows, jnp.float32), "done": x[1]}
+            ), None
 
         return jax.lax.scan(body, buffer, (jnp.swapaxes(obs, 0, 1), jnp.swapaxes(done, 0, 1)))[0]
 
@@ -472,3 +494,30 @@ def test_disagreeing_stacks_in_a_scan_under_plain_jit_change_nothing():
         eb.check(refused)
     accepted = step(buffer, jnp.asarray(stacked), jnp.asarray(done))
     assert int(accepted.size()) == rows * 5
+
+
+def test_frames_under_x64():
+    """With 64-bit types on (and NumPy int64 indices given to `take`), the stacks are the
+    wrapper's and the buffer's dtypes stay its own."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(11)
+        k, rows = 3, 2
+        history = History(rows, k, "reset", -1)
+        frames = eb.Frames("obs", k=k, episode_end="done")
+        buffer = eb.PrioritisedTransitionBuffer(
+            _example(k, -1), add_batch_size=rows, max_length_time_axis=8, frames=frames
+        )
+        for _ in range(3):
+            _, stacked, done = history.steps(rng, 4, 0.3)
+            buffer = buffer.add(
+                {
+                    "obs": jnp.asarray(stacked),
+                    "reward": jnp.ones((rows, 4), jnp.float32),
+                    "done": jnp.asarray(done),
+                }
+            )
+        sample = eqx.filter_jit(lambda b, key: b.sample(key, 16))(buffer, jax.random.key(0))
+        _check_sample("prioritised", buffer, history, sample, 12)
+        stacks = buffer.storage.take(jnp.asarray(np.array([7], np.int64)))["obs"]
+        assert stacks.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(stacks[0]), history.stack(0, 7))

@@ -32,7 +32,11 @@ def _filled(rows=2, length=12, t=20, seed=0, cls=eb.TransitionBuffer, **kw):
         _example(K, -1), add_batch_size=rows, max_length_time_axis=length, frames=_frames(), **kw
     )
     buffer = buffer.add(
-        {"obs": jnp.asarray(single), "reward": jnp.ones((rows, t)), "done": jnp.asarray(done)}
+        {
+            "obs": jnp.asarray(single),
+            "reward": jnp.ones((rows, t), jnp.float32),
+            "done": jnp.asarray(done),
+        }
     )
     return buffer, history, t
 
@@ -60,7 +64,11 @@ def test_rate_limited_framed_buffer_adds_and_samples_stacks():
     limited = eb.RateLimited(buffer, samples_per_insert=4.0, tolerance=1_000.0)
     single, stacked, done = history.steps(np.random.default_rng(5), 3, 0.3)
     limited = limited.add(
-        {"obs": jnp.asarray(stacked), "reward": jnp.ones((2, 3)), "done": jnp.asarray(done)}
+        {
+            "obs": jnp.asarray(stacked),
+            "reward": jnp.ones((2, 3), jnp.float32),
+            "done": jnp.asarray(done),
+        }
     )
     limited, sample = limited.sample(jax.random.key(1), 8)
     _check_sample("transition", limited.buffer, history, sample, t + 3)
@@ -80,7 +88,7 @@ def test_checked_step_adds_stacks_in_a_scan_with_donation():
     def run(buffer, obs, done, key):
         def body(buffer, x):
             obs, done = x
-            buffer = buffer.add({"obs": obs, "reward": jnp.ones(rows), "done": done})
+            buffer = buffer.add({"obs": obs, "reward": jnp.ones(rows, jnp.float32), "done": done})
             return buffer, None
 
         buffer, _ = jax.lax.scan(body, buffer, (jnp.swapaxes(obs, 0, 1), jnp.swapaxes(done, 0, 1)))
@@ -134,13 +142,13 @@ def test_vmap_over_seeds_keeps_can_sample_unbatched():
         b = buffer.add(
             {
                 "obs": jnp.ones((rows, 2, 2), jnp.int32),
-                "reward": jnp.ones((rows, 2)),
+                "reward": jnp.ones((rows, 2), jnp.float32),
                 "done": jax.random.bernoulli(key, 0.5, (rows, 2)),
             }
         )
         out = jax.lax.cond(
             b.can_sample(),
-            lambda: b.sample(key, 4).experience.first["obs"].sum(),
+            lambda: b.sample(key, 4).experience.first["obs"].sum(dtype=jnp.int32),
             lambda: jnp.int32(0),
         )
         return out, b.can_sample()
@@ -256,7 +264,11 @@ def test_a_queue_returns_stacks_and_keeps_the_frames_they_read():
     for _ in range(5):
         _, stacked, done = history.steps(rng, s, 0.3)
         queue = queue.add(
-            {"obs": jnp.asarray(stacked), "reward": jnp.ones((rows, s)), "done": jnp.asarray(done)}
+            {
+                "obs": jnp.asarray(stacked),
+                "reward": jnp.ones((rows, s), jnp.float32),
+                "done": jnp.asarray(done),
+            }
         )
         queue, sample = queue.sample()
         for r in range(rows):
@@ -270,7 +282,7 @@ def test_a_queue_returns_stacks_and_keeps_the_frames_they_read():
     queue = queue.add(
         {
             "obs": jnp.asarray(stacked[:, :4]),
-            "reward": jnp.ones((rows, 4)),
+            "reward": jnp.ones((rows, 4), jnp.float32),
             "done": jnp.asarray(done[:, :4]),
         }
     )
@@ -279,7 +291,7 @@ def test_a_queue_returns_stacks_and_keeps_the_frames_they_read():
         queue.add(
             {
                 "obs": jnp.zeros((rows, 3, 2), jnp.int32),
-                "reward": jnp.ones((rows, 3)),
+                "reward": jnp.ones((rows, 3), jnp.float32),
                 "done": jnp.zeros((rows, 3), bool),
             }
         )
@@ -307,7 +319,7 @@ def test_the_archive_stores_frames_once_and_restores_a_working_buffer(tmp_path):
             buffer = buffer.add(
                 {
                     "obs": jnp.asarray(single[:, i : i + 10]),
-                    "reward": jnp.ones((rows, 10)),
+                    "reward": jnp.ones((rows, 10), jnp.float32),
                     "done": jnp.asarray(done[:, i : i + 10]),
                 }
             )
@@ -356,7 +368,11 @@ def test_the_archive_loader_returns_stacks(tmp_path, view):
         _example(K, -1), add_batch_size=rows, max_length_time_axis=64, frames=_frames()
     )
     buffer = buffer.add(
-        {"obs": jnp.asarray(single), "reward": jnp.ones((rows, t)), "done": jnp.asarray(done)}
+        {
+            "obs": jnp.asarray(single),
+            "reward": jnp.ones((rows, t), jnp.float32),
+            "done": jnp.asarray(done),
+        }
     )
     window = 2 if view == "transition" else 3
     kwargs = {"view": "transition"} if view == "transition" else {"sequence_length": 3}
@@ -398,7 +414,11 @@ def test_the_archive_loader_skips_starts_whose_frames_it_lacks(tmp_path):
         _example(K, -1), add_batch_size=rows, max_length_time_axis=length, frames=_frames()
     )
     buffer = buffer.add(
-        {"obs": jnp.asarray(single), "reward": jnp.ones((rows, t)), "done": jnp.asarray(done)}
+        {
+            "obs": jnp.asarray(single),
+            "reward": jnp.ones((rows, t), jnp.float32),
+            "done": jnp.asarray(done),
+        }
     )
     seen = []
     with pytest.warns(eb.StepsLostWarning):

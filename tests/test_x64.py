@@ -100,6 +100,12 @@ CASES: dict[str, tuple[Callable[[], Any], Callable[[Any, jax.Array], tuple[Any, 
         _prioritised,
     ),
     "prioritised item": (lambda: eb.PrioritisedItemBuffer(EXAMPLE, **kw), _prioritised),
+    "rank-prioritised": (
+        lambda: eb.PrioritisedBuffer(
+            EXAMPLE, rule=eb.rules.RankPrioritised(), view=eb.views.PairView(), **kw
+        ),
+        _prioritised,
+    ),
     "prioritised episode": (
         lambda: eb.PrioritisedEpisodeTrajectoryBuffer(EXAMPLE, sequence_length=2, **kw),
         _prioritised,

@@ -170,7 +170,9 @@ def _draw_by_rank(
     mass = jnp.where(rank <= count.astype(jnp.float32), rank**-alpha, 0.0)
     running = jnp.cumsum(mass)
     total = running[-1]
-    u = jnp.arange(batch_size, dtype=jnp.float32) + jax.random.uniform(key, (batch_size,))
+    u = jnp.arange(batch_size, dtype=jnp.float32) + jax.random.uniform(
+        key, (batch_size,), jnp.float32
+    )
     position = jnp.searchsorted(running, u / batch_size * total, side="right")
     position = jnp.minimum(position, jnp.maximum(count - 1, 0)).astype(jnp.int32)
     probabilities = mass[position] / jnp.where(total > 0, total, 1.0)

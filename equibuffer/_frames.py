@@ -171,6 +171,13 @@ class Frames(eqx.Module):
         )
 
 
+def as_frames(where: str, frames: Any) -> Frames | None:
+    """`frames` (a `frames=` argument), checked to be an `eb.Frames` or None."""
+    if frames is not None and not isinstance(frames, Frames):
+        raise TypeError(f"{where}: `frames` must be an eb.Frames, got {frames!r}.")
+    return frames
+
+
 def leaf_named(where: str, tree: Any, name: str) -> tuple[Any, jax.ShapeDtypeStruct]:
     """The path and shape of the top-level leaf called `name` (a dict key or an attribute)."""
     found = top_level(tree, name)

@@ -19,7 +19,14 @@ from ._checks import (
 )
 from ._custom_types import Count, ExampleTree, ExperienceBatch, IntScalar, StepCount
 from ._errors import cleared, error_if, first_failure, raise_recorded
-from ._frames import expected_older, frame_at, Frames, leaf_position, stack_sources
+from ._frames import (
+    as_frames,
+    expected_older,
+    frame_at,
+    Frames,
+    leaf_position,
+    stack_sources,
+)
 
 
 _TWO_32 = 1 << 32
@@ -91,9 +98,8 @@ class RingStorage(eqx.Module):
         leaves, treedef = jax.tree_util.tree_flatten_with_path(example)
         if not leaves:
             raise ValueError(f"{where}: `example` has no array leaves.")
+        frames = as_frames(where, frames)
         if frames is not None:
-            if not isinstance(frames, Frames):
-                raise TypeError(f"{where}: `frames` must be an eb.Frames, got {frames!r}.")
             frames = frames.checked(where, example)
             leaves, treedef = jax.tree_util.tree_flatten_with_path(frames.stored(example))
         self.frames = frames

@@ -27,7 +27,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Int, PyTree, Shaped
 
 from .._checks import check_positive_int
-from .._frames import Frames, leaf_position
+from .._frames import as_frames, Frames, leaf_position
 from .._ring import RingStorage
 from ..rules._valid import segment_starts
 from ..views._base import AbstractView
@@ -295,9 +295,8 @@ class ArchiveLoader:
             self._end = i
         self._frames: Frames | None = None
         self._frame_end = -1
+        frames = as_frames(where, frames)
         if frames is not None:
-            if not isinstance(frames, Frames):
-                raise TypeError(f"{where}: `frames` must be an eb.Frames, got {frames!r}.")
             self._frames = frames.for_stored(where, example, episode_end)
             if not isinstance(self._frames.episode_end, str):
                 raise TypeError(

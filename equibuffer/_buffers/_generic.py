@@ -14,7 +14,7 @@ import equinox as eqx
 
 from .._checks import check_positive_int
 from .._custom_types import ExampleTree
-from .._frames import Frames
+from .._frames import as_frames, Frames
 from .._ring import RingStorage
 from ..rules._base import AbstractRule, AbstractUniformRule
 from ..rules._episode_ends import EpisodeEnds
@@ -51,9 +51,8 @@ def compose(
             f"{where}: `view` must be an equibuffer.views.AbstractView, got {type(view).__name__}."
         )
     given = SizeArgs.of(where, sizes)
+    frames = as_frames(where, frames)
     if frames is not None:
-        if not isinstance(frames, Frames):
-            raise TypeError(f"{where}: `frames` must be an eb.Frames, got {frames!r}.")
         # The frames take the rule's episode ends, where it has them (stated once).
         episodes = getattr(rule, "episodes", None)
         rule_end = episodes.episode_end if isinstance(episodes, EpisodeEnds) else None

@@ -12,7 +12,7 @@ from .._axes import on_auto_axes
 from .._checks import check_positive_int
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar
 from .._errors import error_if, recorded
-from .._frames import Frames
+from .._frames import as_frames, Frames
 from .._ring import check_like, RingStorage
 from ..views._gather import gather_slots
 from ._base import AbstractRingHolder, Sample, update_storage, UpdateFn
@@ -91,8 +91,7 @@ class Queue(AbstractRingHolder):
                     f"{where}: `{name}` is not taken: a queue has no minimum size, "
                     "`can_sample()` is true once every row holds `sequence_length` unread steps."
                 )
-        if frames is not None and not isinstance(frames, Frames):
-            raise TypeError(f"{where}: `frames` must be an eb.Frames, got {frames!r}.")
+        frames = as_frames(where, frames)
         self.storage = given.storage(where, example, add_batch_size, flat=False, frames=frames)
         length = self.storage.length
         self.sequence_length = check_positive_int(where, "sequence_length", sequence_length)

@@ -30,7 +30,8 @@ from .._archive._archive import Archive
 from .._archive._format import schema_diff, schema_of, StepSchema, storage_of
 from .._archive._reader import progress_bar
 from .._checks import check_positive_int
-from .._frames import expected_older, frame_at, Frames, leaf_position
+from .._episodes import top_level
+from .._frames import as_frames, expected_older, frame_at, Frames, leaf_position
 
 
 MIN_MEMORY = 1 << 20  # the smallest staging bound accepted (bytes)
@@ -110,9 +111,7 @@ class FramesSource(Source):
 
     def __init__(self, inner: Source, frames: Frames):
         where = inner.where
-        if not isinstance(frames, Frames):
-            raise TypeError(f"{where}: `frames` must be an eb.Frames, got {frames!r}.")
-        ends = "episode_end" if _has_leaf(inner.example, "episode_end") else None
+        ends = "episode_end" if top_level(inner.example, "episode_end") is not None else None
         self.frames = frames.checked(where, inner.example, ends)
         self.inner = inner
         self.where, self.rows, self.steps = where, inner.rows, inner.steps
@@ -157,14 +156,6 @@ class FramesSource(Source):
 
     def close(self) -> None:
         self.inner.close()
-
-
-def _has_leaf(tree: Any, name: str) -> bool:
-    try:
-        leaf_position(tree, name)
-    except KeyError:
-        return False
-    return True
 
 
 def check_like(where: str, example: PyTree[np.ndarray], like: Any) -> None:
@@ -223,8 +214,9 @@ def import_source(source: Source, store: Any, options: ImportOptions) -> Archive
     the archive opened read-only. With `options.frames`, one frame per step of the stacked
     observation leaf (`FramesSource`)."""
     try:
-        if options.frames is not None:
-            source = FramesSource(source, options.frames)
+        frames = as_frames(source.where, options.frames)
+        if frames is not None:
+            source = FramesSource(source, frames)
         return _import(source, store, options)
     finally:
         source.close()

@@ -67,6 +67,16 @@ class History:
         return wrapper_stack(self.frames[row], self.dones[row], t, self.k, self.padding, self.axis)
 
 
+def step_batch(obs, done):
+    """A batch of the tests' example: observations (stacked or single frames), rewards of
+    one and the episode ends `done`, leaves `(rows, [T], *leaf)`."""
+    return {
+        "obs": jnp.asarray(obs),
+        "reward": jnp.ones(np.shape(done), jnp.float32),
+        "done": jnp.asarray(done),
+    }
+
+
 def _kinds():
     """Constructors of every ring buffer kind, `(example, rows, length, frames) -> buffer`."""
     return {
@@ -252,13 +262,7 @@ def test_every_step_is_drawn_as_often_the_first_of_each_episode_included(kind):
     frames = eb.Frames("obs", k=k, episode_end="done")
     buffer = _kinds()[kind](_example(k, -1), rows, length, frames)
     single, _, done = history.steps(rng, 52, 0.35)  # wraps: 12 steps written over
-    buffer = buffer.add(
-        {
-            "obs": jnp.asarray(single),
-            "reward": jnp.ones((rows, 52), jnp.float32),
-            "done": jnp.asarray(done),
-        }
-    )
+    buffer = buffer.add(step_batch(single, done))
     draws = 40_000
     sample = eqx.filter_jit(lambda b, key: b.sample(key, batch_size=draws))(
         buffer, jax.random.key(0)
@@ -351,29 +355,15 @@ def test_disagreeing_stacks_are_refused_and_nothing_is_lost():
     frames = eb.Frames("obs", k=k, episode_end="done")
     buffer = eb.TransitionBuffer(_example(k, -1), add_batch_size=rows, capacity=32, frames=frames)
     _, stacked, done = history.steps(rng, 3, 0.0)
-    buffer = buffer.add(
-        {
-            "obs": jnp.asarray(stacked),
-            "reward": jnp.ones((rows, 3), jnp.float32),
-            "done": jnp.asarray(done),
-        }
-    )
+    buffer = buffer.add(step_batch(stacked, done))
     _, stacked, done = history.steps(rng, 2, 0.0)
-    swapped = {
-        "obs": jnp.asarray(stacked[::-1]),
-        "reward": jnp.ones((rows, 2), jnp.float32),
-        "done": jnp.asarray(done),
-    }
+    swapped = step_batch(stacked[::-1], done)
     message = re.escape(
         "the stacked observations ['obs'] disagree with the frames the buffer holds"
     )
     with pytest.raises(Exception, match=message):
         buffer.add(swapped)
-    zeros_padded = {
-        "obs": jnp.asarray(stacked) * 0,
-        "reward": jnp.ones((rows, 2), jnp.float32),
-        "done": jnp.asarray(done),
-    }
+    zeros_padded = step_batch(jnp.asarray(stacked) * 0, done)
     with pytest.raises(Exception, match=message):
         buffer.add(zeros_padded)
     step = eb.filter_jit(lambda b, batch: b.add(batch), donate="all")
@@ -387,11 +377,7 @@ def test_disagreeing_stacks_are_refused_and_nothing_is_lost():
     ):
         np.testing.assert_array_equal(x, np.asarray(y))
     # the buffer goes on from what it held: the right stacks are taken
-    right = {
-        "obs": jnp.asarray(stacked),
-        "reward": jnp.ones((rows, 2), jnp.float32),
-        "done": jnp.asarray(done),
-    }
+    right = step_batch(stacked, done)
     assert int(buffer.add(right).size()) == rows * 5
 
 
@@ -468,13 +454,7 @@ def test_disagreeing_stacks_in_a_scan_under_plain_jit_change_nothing():
     frames = eb.Frames("obs", k=k, episode_end="done")
     buffer = eb.TransitionBuffer(_example(k, -1), add_batch_size=rows, capacity=32, frames=frames)
     _, stacked, done = history.steps(rng, 3, 0.0)
-    buffer = buffer.add(
-        {
-            "obs": jnp.asarray(stacked),
-            "reward": jnp.ones((rows, 3), jnp.float32),
-            "done": jnp.asarray(done),
-        }
-    )
+    buffer = buffer.add(step_batch(stacked, done))
     before = [np.asarray(x) for x in jax.tree.leaves(buffer.storage.data)]
     _, stacked, done = history.steps(rng, 2, 0.0)
 
@@ -509,13 +489,7 @@ def test_frames_under_x64():
         )
         for _ in range(3):
             _, stacked, done = history.steps(rng, 4, 0.3)
-            buffer = buffer.add(
-                {
-                    "obs": jnp.asarray(stacked),
-                    "reward": jnp.ones((rows, 4), jnp.float32),
-                    "done": jnp.asarray(done),
-                }
-            )
+            buffer = buffer.add(step_batch(stacked, done))
         sample = eqx.filter_jit(lambda b, key: b.sample(key, 16))(buffer, jax.random.key(0))
         _check_sample("prioritised", buffer, history, sample, 12)
         stacks = buffer.storage.take(jnp.asarray(np.array([7], np.int64)))["obs"]

@@ -15,7 +15,7 @@ import pytest
 import equibuffer as eb
 
 from .helpers import run_on_host_devices
-from .test_frames import _check_sample, _example, History, wrapper_stack
+from .test_frames import _check_sample, _example, History, step_batch, wrapper_stack
 
 
 K = 3
@@ -31,13 +31,7 @@ def _filled(rows=2, length=12, t=20, seed=0, cls=eb.TransitionBuffer, **kw):
     buffer = cls(
         _example(K, -1), add_batch_size=rows, max_length_time_axis=length, frames=_frames(), **kw
     )
-    buffer = buffer.add(
-        {
-            "obs": jnp.asarray(single),
-            "reward": jnp.ones((rows, t), jnp.float32),
-            "done": jnp.asarray(done),
-        }
-    )
+    buffer = buffer.add(step_batch(single, done))
     return buffer, history, t
 
 
@@ -63,13 +57,7 @@ def test_rate_limited_framed_buffer_adds_and_samples_stacks():
     buffer, history, t = _filled()
     limited = eb.RateLimited(buffer, samples_per_insert=4.0, tolerance=1_000.0)
     single, stacked, done = history.steps(np.random.default_rng(5), 3, 0.3)
-    limited = limited.add(
-        {
-            "obs": jnp.asarray(stacked),
-            "reward": jnp.ones((2, 3), jnp.float32),
-            "done": jnp.asarray(done),
-        }
-    )
+    limited = limited.add(step_batch(stacked, done))
     limited, sample = limited.sample(jax.random.key(1), 8)
     _check_sample("transition", limited.buffer, history, sample, t + 3)
 
@@ -140,11 +128,7 @@ def test_vmap_over_seeds_keeps_can_sample_unbatched():
     def train(seed):
         key = jax.random.key(seed)
         b = buffer.add(
-            {
-                "obs": jnp.ones((rows, 2, 2), jnp.int32),
-                "reward": jnp.ones((rows, 2), jnp.float32),
-                "done": jax.random.bernoulli(key, 0.5, (rows, 2)),
-            }
+            step_batch(jnp.ones((rows, 2, 2), jnp.int32), jax.random.bernoulli(key, 0.5, (rows, 2)))
         )
         out = jax.lax.cond(
             b.can_sample(),
@@ -263,13 +247,7 @@ def test_a_queue_returns_stacks_and_keeps_the_frames_they_read():
     read = 0
     for _ in range(5):
         _, stacked, done = history.steps(rng, s, 0.3)
-        queue = queue.add(
-            {
-                "obs": jnp.asarray(stacked),
-                "reward": jnp.ones((rows, s), jnp.float32),
-                "done": jnp.asarray(done),
-            }
-        )
+        queue = queue.add(step_batch(stacked, done))
         queue, sample = queue.sample()
         for r in range(rows):
             for j in range(s):
@@ -279,22 +257,10 @@ def test_a_queue_returns_stacks_and_keeps_the_frames_they_read():
         read += s
     # 6 slots of 8 hold unread steps or the k - 1 = 2 before them: room for 2 more, not 3
     _, stacked, done = history.steps(rng, 4, 0.0)
-    queue = queue.add(
-        {
-            "obs": jnp.asarray(stacked[:, :4]),
-            "reward": jnp.ones((rows, 4), jnp.float32),
-            "done": jnp.asarray(done[:, :4]),
-        }
-    )
+    queue = queue.add(step_batch(stacked[:, :4], done[:, :4]))
     assert bool(queue.can_add(2)) and not bool(queue.can_add(3))
     with pytest.raises(Exception, match=r"or the k - 1 = 2 steps before them \(their frames\)"):
-        queue.add(
-            {
-                "obs": jnp.zeros((rows, 3, 2), jnp.int32),
-                "reward": jnp.ones((rows, 3), jnp.float32),
-                "done": jnp.zeros((rows, 3), bool),
-            }
-        )
+        queue.add(step_batch(jnp.zeros((rows, 3, 2), jnp.int32), jnp.zeros((rows, 3), bool)))
     with pytest.raises(ValueError, match="plus the k - 1 = 2 steps before them"):
         eb.Queue(
             _example(K, -1),
@@ -316,13 +282,7 @@ def test_the_archive_stores_frames_once_and_restores_a_working_buffer(tmp_path):
     )
     with eb.Archive(str(tmp_path / "run.zarr"), buffer) as archive:
         for i in range(0, t, 10):
-            buffer = buffer.add(
-                {
-                    "obs": jnp.asarray(single[:, i : i + 10]),
-                    "reward": jnp.ones((rows, 10), jnp.float32),
-                    "done": jnp.asarray(done[:, i : i + 10]),
-                }
-            )
+            buffer = buffer.add(step_batch(single[:, i : i + 10], done[:, i : i + 10]))
             archive.write(buffer)
         assert archive.read(0, 30)["obs"].shape == (2, 30, 2)  # one frame per step
         np.testing.assert_array_equal(archive.read(0, 30)["obs"], single)
@@ -367,13 +327,7 @@ def test_the_archive_loader_returns_stacks(tmp_path, view):
     buffer = eb.TransitionBuffer(
         _example(K, -1), add_batch_size=rows, max_length_time_axis=64, frames=_frames()
     )
-    buffer = buffer.add(
-        {
-            "obs": jnp.asarray(single),
-            "reward": jnp.ones((rows, t), jnp.float32),
-            "done": jnp.asarray(done),
-        }
-    )
+    buffer = buffer.add(step_batch(single, done))
     window = 2 if view == "transition" else 3
     kwargs = {"view": "transition"} if view == "transition" else {"sequence_length": 3}
     seen = []
@@ -413,13 +367,7 @@ def test_the_archive_loader_skips_starts_whose_frames_it_lacks(tmp_path):
     buffer = eb.TransitionBuffer(
         _example(K, -1), add_batch_size=rows, max_length_time_axis=length, frames=_frames()
     )
-    buffer = buffer.add(
-        {
-            "obs": jnp.asarray(single),
-            "reward": jnp.ones((rows, t), jnp.float32),
-            "done": jnp.asarray(done),
-        }
-    )
+    buffer = buffer.add(step_batch(single, done))
     seen = []
     with pytest.warns(eb.StepsLostWarning):
         archive = eb.Archive(str(tmp_path / "run.zarr"), buffer, on_lost="warn")

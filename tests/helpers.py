@@ -240,7 +240,16 @@ def compiled_hlo(fn, *args, donate: bool = False) -> str:
         return eqx.partition(out, eqx.is_array)[0]
 
     jitted = jax.jit(raw, donate_argnums=0 if donate else ())
-    return jitted.lower(first, rest).compile().as_text()
+    return compiled_as_users_compile(jitted.lower(first, rest))
+
+
+def compiled_as_users_compile(lowered: jax.stages.Lowered) -> str:
+    """The optimised HLO text of `lowered` compiled with the emitters users' XLA takes: the
+    tests' processes compile with older, faster ones where jaxlib has them
+    (tests/conftest.py), which lower some scatters and gathers otherwise."""
+    older = "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", "")
+    options = {"xla_cpu_use_fusion_emitters": True} if older else None
+    return lowered.compile(compiler_options=options).as_text()
 
 
 def result_sizes(pattern: re.Pattern, hlo: str) -> list[int]:

@@ -3,6 +3,7 @@
 import functools
 import inspect
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec
 
@@ -41,6 +42,52 @@ def check_positive_int(where: str, name: str, value: Any, *, limit: int | None =
             f"2**31 - 1 = {MAX_SIZE} (its positions are int32)."
         )
     return int(value)
+
+
+def default_device_memory() -> tuple[int, str] | None:
+    """The bytes the default device can hold and what it is (for an error message), or None
+    where that is not known, or inside a trace: a template built under
+    `eqx.filter_eval_shape` (to restore a checkpoint into, or to place with `shard_rows`)
+    allocates nothing, so it is never refused for its size."""
+    probe = jnp.zeros((), jnp.uint8)
+    if isinstance(probe, jax.core.Tracer):
+        return None
+    device = next(iter(probe.devices()))
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # (a backend that keeps none)
+        stats = {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), f"{device.device_kind} {device.id}"
+    if device.platform == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine"
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def check_fits(where: str, given: str, rows: int, length: int, structs: Sequence[Any]) -> None:
+    """Refuse a ring of `rows` rows of `length` steps (made from the arguments `given`, as
+    the user wrote them) of more steps than its int32 positions index, or of more bytes than
+    the default device holds, before anything is allocated (before, XLA's allocator said "Out
+    of memory allocating N bytes", or an `OverflowError` came later, naming no argument)."""
+    steps = rows * length
+    if steps > MAX_SIZE:
+        raise ValueError(
+            f"{where}: {given} make a ring of {rows} rows of {length} steps, {steps} steps in "
+            f"all: more than a buffer can index, at most 2**31 - 1 = {MAX_SIZE} (its "
+            "positions are int32)."
+        )
+    step = sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in structs)
+    memory = default_device_memory()
+    if memory is not None and steps * step > memory[0]:
+        limit, device = memory
+        raise ValueError(
+            f"{where}: {given} make a ring of {steps} steps of {step} bytes each, "
+            f"{steps * step / 1e9:.3g} GB: more than the {limit / 1e9:.3g} GB {device} holds. "
+            "Store fewer steps, or keep them on disk in an `eb.Archive` (docs/archive.md)."
+        )
 
 
 def as_sequence(where: str, name: str, value: Any, one: str) -> tuple:

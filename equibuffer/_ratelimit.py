@@ -18,6 +18,7 @@ from ._checks import check_positive_int, refuse_flashbax_only
 from ._custom_types import BoolScalar, ExperienceBatch, StepCount
 from ._errors import error_if, recorded
 from ._protocol import AbstractPrioritisedSource, AbstractReplayBuffer
+from ._ring import RingStorage
 
 
 # Every increment (`samples_per_insert * rows * T`, `batch_size`) and the tolerance must stay
@@ -61,6 +62,17 @@ def add_unless(
     old, new = eqx.filter(buffer, eqx.is_array), eqx.filter(added, eqx.is_array)
     chosen = jax.tree.map(lambda o, n: jnp.where(refused, o, n), old, new)
     return eqx.combine(chosen, added)
+
+
+def _count_words(buffer: Any) -> Array | None:
+    """The words that count the steps `buffer` took (an add moves them, a refused one leaves
+    them): a ring's count, a clustered buffer's count per cluster; None for a buffer of
+    another kind, whose `_add` refuses through `refused` alone."""
+    storage = getattr(buffer, "storage", None)
+    if isinstance(storage, RingStorage):
+        return storage.counters[2:4]
+    count = getattr(storage, "count", None)
+    return count if isinstance(count, jax.Array) else None
 
 
 class RateLimited(eqx.Module):
@@ -392,6 +404,11 @@ class RateLimited(eqx.Module):
         )
         refused = over if refused is None else over | refused
         buffer = add_unless(self.buffer, batch, refused)
+        # The wrapped buffer's own checks (a stack disagreeing with its frames, a cluster id
+        # out of range) refuse the whole add too: nothing is credited then either.
+        before, after = _count_words(self.buffer), _count_words(buffer)
+        if before is not None and after is not None:
+            refused = refused | jnp.all(before == after)
         new_whole = jnp.where(refused, self.credit_whole, new_whole)
         new_fraction = jnp.where(refused, self.credit_fraction, new_fraction)
         return eqx.tree_at(

@@ -12,6 +12,7 @@ from ._checks import (
     as_example_leaf,
     BARRIER_EXPANDED,
     check_dtype,
+    check_fits,
     check_positive_int,
     check_representable,
     check_structure,
@@ -47,6 +48,22 @@ class Appended(NamedTuple):
     start: Int[Array, ""]
     steps: ExperienceBatch
     refused: Bool[ArrayLike, ""] = False
+
+
+def stored_steps(
+    where: str, example: ExampleTree, frames: Frames | None
+) -> tuple[Any, list[jax.ShapeDtypeStruct], Frames | None]:
+    """What a ring stores of one step of `example`: the tree's structure, each leaf's shape
+    and dtype (the frame leaf without its stack axis when `frames` is given), and `frames`
+    checked against the example."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(example)
+    if not leaves:
+        raise ValueError(f"{where}: `example` has no array leaves.")
+    frames = as_frames(where, frames)
+    if frames is not None:
+        frames = frames.checked(where, example)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(frames.stored(example))
+    return treedef, [as_example_leaf(path, leaf) for path, leaf in leaves], frames
 
 
 class RingStorage(eqx.Module):
@@ -95,15 +112,9 @@ class RingStorage(eqx.Module):
         self.length = check_positive_int(where, "length", length)
         if self.length >= 2**30:
             raise ValueError(f"{where}: `length` must be below 2**30, got {length}.")
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(example)
-        if not leaves:
-            raise ValueError(f"{where}: `example` has no array leaves.")
-        frames = as_frames(where, frames)
-        if frames is not None:
-            frames = frames.checked(where, example)
-            leaves, treedef = jax.tree_util.tree_flatten_with_path(frames.stored(example))
-        self.frames = frames
-        structs = [as_example_leaf(path, leaf) for path, leaf in leaves]
+        treedef, structs, self.frames = stored_steps(where, example, frames)
+        given = f"`rows`={self.rows} and `length`={self.length}"
+        check_fits(where, given, self.rows, self.length, structs)
         # Each leaf is its own allocation: donation refuses one buffer donated twice.
         self.data = jax.tree_util.tree_unflatten(
             treedef, [jnp.zeros((self.rows, self.length, *s.shape), s.dtype) for s in structs]

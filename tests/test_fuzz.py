@@ -24,6 +24,7 @@ import equibuffer as eb
 
 from . import mesh_kinds
 from .helpers import budget
+from .test_frames import wrapper_stack
 from .test_surfaced import _assert_same, _draw, PRIORITISED, ROWS
 
 
@@ -247,6 +248,41 @@ def test_a_size_past_int32_is_refused_by_name_before_allocating(argument):
             SIZED[argument](size)
 
 
+BIG = {"obs": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}  # 4 MiB a step
+BEYOND_MEMORY = {  # within int32, but 2**20 steps of 4 MiB: 4 TiB
+    "add_batch_size": lambda: eb.ItemBuffer(BIG, add_batch_size=2**20, capacity=8),
+    "capacity": lambda: eb.ItemBuffer(BIG, add_batch_size=1, capacity=2**20),
+    "max_length_time_axis": lambda: eb.TrajectoryBuffer(
+        BIG, add_batch_size=2, sequence_length=2, max_length_time_axis=2**19
+    ),
+    "num_clusters": lambda: eb.ClusteredBuffer(
+        BIG, add_batch_size=1, num_clusters=2**10, cluster_capacity=2**10, cluster_fn=lambda x: 0
+    ),
+    "length": lambda: eb.RingStorage(BIG, rows=2**10, length=2**10),
+}
+
+
+@pytest.mark.parametrize("argument", sorted(BEYOND_MEMORY))
+def test_a_ring_larger_than_the_memory_is_refused_by_name_before_allocating(argument):
+    """Before, XLA's allocator refused it ("Out of memory allocating 4398046511104 bytes"),
+    naming no argument. A template of the same buffer (`eqx.filter_eval_shape`, to place with
+    `shard_rows` or restore a checkpoint into) allocates nothing and is made."""
+    with pytest.raises(ValueError, match=rf"`{argument}`=\d+ .* GB: more than the .* GB "):
+        BEYOND_MEMORY[argument]()
+    assert isinstance(eqx.filter_eval_shape(BEYOND_MEMORY[argument]), eqx.Module)
+
+
+def test_a_ring_of_more_steps_than_int32_is_refused_by_name():
+    """Each size within int32 but their product past it: before, the allocation or a later
+    index overflowed."""
+    with pytest.raises(
+        ValueError,
+        match=r"`add_batch_size`=65536 and `max_length_time_axis`="
+        r"65536 make a ring of 65536 rows of 65536 steps, 4294967296 steps in all",
+    ):
+        eb.TrajectoryBuffer(EX, add_batch_size=2**16, sequence_length=2, max_length_time_axis=2**16)
+
+
 BAD_LEAVES = [
     (np.array(["a", "b"]), TypeError, "has dtype <U1"),
     (np.array([object(), object()]), TypeError, "has dtype object"),
@@ -336,3 +372,147 @@ def _report_bad_inputs(request):
     tried = {f"{k}\t{m}": n - before[k, m] for (k, m), n in TRIED.items() if n > before[k, m]}
     if tried:
         request.node.user_properties.append(("bad_inputs", tried))
+
+
+# --------------------------------------------- every refused write: random bad input, no change
+
+
+def refused_three_ways(fn, state, args, message: str, kept=lambda out: out) -> None:
+    """`fn(state, *args)` is refused with `message` eagerly (raised at once), under plain jit
+    (recorded: `eb.check` raises it) and under `eb.filter_jit` with donation (raised, the
+    state it returned in `error.output`), and in each the state it returns (`kept(out)`)
+    holds every array `state` held."""
+    with pytest.raises(eqx.EquinoxRuntimeError, match=re.escape(message)):
+        fn(state, *args)
+    refused = eqx.filter_jit(fn)(state, *args)
+    _assert_same(state, kept(refused))
+    with pytest.raises(eqx.EquinoxRuntimeError, match=re.escape(message)):
+        eb.check(refused)
+    donated = jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, (state, args))
+    with pytest.raises(eqx.EquinoxRuntimeError, match=re.escape(message)) as caught:
+        eb.filter_jit(fn, donate="all")(donated[0], *donated[1])
+    _assert_same(state, kept(caught.value.output))
+
+
+K = 3  # frames a stack holds
+FRAMED_EX = {"obs": jnp.zeros((2, K), jnp.int32), "done": jnp.bool_(False)}
+FRAMES = eb.Frames("obs", K, episode_end="done")
+RING = dict(add_batch_size=2, max_length_time_axis=8)
+FRAMED = {
+    "transition": lambda: eb.TransitionBuffer(FRAMED_EX, frames=FRAMES, **RING),
+    "prioritised": lambda: eb.PrioritisedTrajectoryBuffer(
+        FRAMED_EX, sequence_length=2, frames=FRAMES, **RING
+    ),
+    "rate_limited": lambda: eb.RateLimited(
+        eb.ItemBuffer(FRAMED_EX, frames=FRAMES, **RING), 4.0, 64.0
+    ),
+    "queue": lambda: eb.Queue(FRAMED_EX, sequence_length=1, frames=FRAMES, **RING),
+}
+_FRAMED_EMPTY: dict = {}
+
+
+def _stacks(frames, dones, steps):
+    """The wrapper's stacks of one row at `steps` (tests/test_frames.py's reference)."""
+    return np.stack([wrapper_stack(frames, dones, t, K, "reset", -1) for t in steps])
+
+
+def _add(buffer, batch):
+    return buffer.add(batch)
+
+
+_ADD = eqx.filter_jit(_add)  # (to fill a buffer before the refused call)
+
+
+@st.composite
+def disagreeing_stacks(draw):
+    """The `held` steps per row a framed buffer holds and the next `t` steps as the wrapper
+    stacks them but for one frame `k - 2` of one step of one row, changed."""
+    held, t = draw(st.integers(1, 4)), draw(st.integers(1, 2))
+    frames = [[np.array([r, n]) * 100 + n for n in range(held + t)] for r in range(2)]
+    dones = [draw(st.lists(st.booleans(), min_size=held + t, max_size=held + t)) for _ in range(2)]
+    stacks = np.stack([_stacks(frames[r], dones[r], range(held + t)) for r in range(2)])
+    done = np.array(dones)
+    row, step = draw(st.integers(0, 1)), draw(st.integers(held, held + t - 1))
+    bad = stacks.copy()
+    bad[row, step, draw(st.integers(0, 1)), K - 2] += draw(st.sampled_from([1, -1, 7, 2**30]))
+    return {"obs": stacks[:, :held], "done": done[:, :held]}, {
+        "obs": bad[:, held:],
+        "done": done[:, held:],
+    }
+
+
+@pytest.mark.parametrize("name", sorted(FRAMED))
+@settings(max_examples=budget(10), deadline=None)
+@given(case=disagreeing_stacks())
+def test_a_refused_stack_changes_nothing(name, case):
+    """A stack whose frame `k - 2` is not the row's previous frame (nor the padding at an
+    episode's first step) refuses the whole add: no frame, no step count, no priority, no
+    credit of a rate limiter, no unread step of a queue changes."""
+    held_steps, batch = case
+    if name not in _FRAMED_EMPTY:
+        _FRAMED_EMPTY[name] = FRAMED[name]()
+    buffer = _ADD(_FRAMED_EMPTY[name], jax.tree.map(jnp.asarray, held_steps))
+    batch = jax.tree.map(jnp.asarray, batch)
+    refused_three_ways(_add, buffer, (batch,), "disagree with the frames the buffer holds")
+    TRIED[name, "a stack disagreeing with the frames held"] += 1
+
+
+QUEUE_EX = {"x": jnp.float32(0)}
+_QUEUE = eb.Queue(QUEUE_EX, add_batch_size=2, max_length_time_axis=8, sequence_length=2)
+
+
+def _steps(start: int, t: int) -> dict:
+    return {"x": jnp.arange(start, start + 2 * t, dtype=jnp.float32).reshape(2, t)}
+
+
+@settings(max_examples=budget(20), deadline=None)
+@given(unread=st.integers(0, 8), t=st.integers(1, 8), read=st.integers(0, 3))
+def test_a_refused_queue_add_or_sample_changes_nothing(unread, t, read):
+    """An add that would overwrite unread steps, and a sample of fewer unread steps than a
+    sequence, take and change nothing (after `read` samples have moved the oldest unread
+    step around the ring)."""
+    queue = _ADD(_QUEUE, _steps(0, 2 * read)) if read else _QUEUE
+    for _ in range(read):
+        queue = eqx.filter_jit(lambda q: q.sample()[0])(queue)
+    if unread:
+        queue = _ADD(queue, _steps(100, unread))
+    if unread + t > 8:
+        refused_three_ways(_add, queue, (_steps(200, t),), "the queue is full")
+        TRIED["queue", "an add over unread steps"] += 1
+    if unread < 2:
+        refused_three_ways(
+            lambda q: q.sample(), queue, (), "fewer than sequence_length=2", kept=lambda out: out[0]
+        )
+        TRIED["queue", "a sample of too few unread steps"] += 1
+
+
+def _id(item):
+    return item["id"]
+
+
+CLUSTERED_EX = {"id": jnp.int32(0), "x": jnp.float32(0)}
+CLUSTERED = {
+    "clustered": lambda: eb.ClusteredBuffer(
+        CLUSTERED_EX, add_batch_size=2, num_clusters=3, cluster_capacity=4, cluster_fn=_id
+    ),
+    "prioritised_clustered": lambda: eb.PrioritisedClusteredBuffer(
+        CLUSTERED_EX, add_batch_size=2, num_clusters=3, cluster_capacity=4, cluster_fn=_id
+    ),
+}
+
+
+@settings(max_examples=budget(20), deadline=None)
+@given(
+    name=st.sampled_from(sorted(CLUSTERED)),
+    held=st.lists(st.integers(0, 2), min_size=2, max_size=2),
+    ids=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=2, max_size=2).filter(
+        lambda ids: any(not 0 <= i < 3 for i in ids)
+    ),
+)
+def test_an_add_with_a_cluster_id_out_of_range_changes_nothing(name, held, ids):
+    """`cluster_fn` returning an id outside `[0, num_clusters)` for any item refuses the
+    whole add: no item of it is stored, no count or priority changes."""
+    buffer = _ADD(CLUSTERED[name](), {"id": jnp.array(held), "x": jnp.ones(2)})
+    batch = {"id": jnp.array(ids, jnp.int32), "x": jnp.full(2, 5.0)}
+    refused_three_ways(_add, buffer, (batch,), "returned a cluster id outside [0, num_clusters=3)")
+    TRIED[name, "a cluster id out of range"] += 1

@@ -309,7 +309,9 @@ class Queue(AbstractRingHolder):
             f"steps{kept} (max_length_time_axis={length}). Sample first, or check "
             f"`queue.can_add({t})`.",
         )
-        storage, _ = self.storage.append(batch, "Queue.add()", refused=full)  # refused: as it was
+        # Refused (the queue full, or a stack disagreeing with the frames held): as it was.
+        storage, appended = self.storage.append(batch, "Queue.add()", refused=full)
+        unread = jnp.where(appended.refused, self.unread, unread)
         return eqx.tree_at(lambda q: (q.storage, q.unread), self, (storage, unread))
 
     @on_auto_axes(split=lambda queue: queue.add_batch_size)

@@ -17,10 +17,10 @@ import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple, TypedDict
 
-from .._checks import check_positive_int, FLASHBAX_ONLY, flashbax_only_error
+from .._checks import check_fits, check_positive_int, FLASHBAX_ONLY, flashbax_only_error
 from .._custom_types import ExampleTree
 from .._frames import Frames
-from .._ring import RingStorage
+from .._ring import RingStorage, stored_steps
 
 
 def _one_of(
@@ -132,10 +132,14 @@ class SizeArgs(NamedTuple):
     ) -> RingStorage:
         """The ring of `add_batch_size` rows, sized by the arguments (stacking `frames`)."""
         rows = check_positive_int(where, "add_batch_size", add_batch_size)
-        return RingStorage(example, rows, self._ring_length(where, rows, flat), frames=frames)
+        (name, value), length = self._ring_length(where, rows, flat)
+        # Refused by the user's names before the ring refuses them by its own.
+        given = f"`add_batch_size`={rows} and `{name}`={value}"
+        check_fits(where, given, rows, length, stored_steps(where, example, frames)[1])
+        return RingStorage(example, rows, length, frames=frames)
 
-    def _ring_length(self, where: str, rows: int, flat: bool) -> int:
-        """The steps held per row, from exactly one size argument.
+    def _ring_length(self, where: str, rows: int, flat: bool) -> tuple[tuple[str, int], int]:
+        """The size argument given (exactly one) and the steps it holds per row.
 
         `flat` marks buffers whose Flashbax counterpart is flat or item-shaped, where
         `max_length` means the total.
@@ -153,7 +157,7 @@ class SizeArgs(NamedTuple):
                 "`max_length_time_axis`, steps per row."
             )
         name, value = chosen
-        return value if name == "max_length_time_axis" else math.ceil(value / rows)
+        return chosen, value if name == "max_length_time_axis" else math.ceil(value / rows)
 
     def min_length_time_axis_for(
         self, where: str, storage: RingStorage, window: int, window_name: str, *, flat: bool

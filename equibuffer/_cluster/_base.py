@@ -17,10 +17,11 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 from .._axes import on_auto_axes
 from .._buffers._base import AbstractRowBlocked
 from .._buffers._epochs import check_epoch, Epoch, epoch_batch_windows, shuffle_valid
-from .._checks import check_positive_int, check_row_blocks, check_shares
+from .._checks import check_fits, check_positive_int, check_row_blocks, check_shares
 from .._custom_types import BoolScalar, ExampleTree, ExperienceBatch, IntScalar, StepCount
 from .._errors import error_if, record, recorded
 from .._protocol import AbstractReplayBuffer
+from .._ring import stored_steps
 from ._rules import AbstractClusterRule
 from ._samples import ClusteredSample
 from ._storage import ClusterStorage
@@ -56,6 +57,8 @@ def configure_clusters(
         raise TypeError(f"{where}: `cluster_fn` must be a function of one item.")
     if weights is not None:
         weights = check_shares(where, "weights", weights, k, "cluster")
+    given = f"`num_clusters`={k} and `cluster_capacity`={cap}"
+    check_fits(where, given, k, cap, stored_steps(where, example, None)[1])
     storage = ClusterStorage(example, rows, k, cap)
     out = jax.eval_shape(cluster_fn, storage.item())
     if not hasattr(out, "dtype") or not jnp.issubdtype(out.dtype, jnp.integer) or out.shape != ():

@@ -27,6 +27,15 @@ def keystr(path: Sequence[Any]) -> str:
 MAX_SIZE = 2**31 - 1
 
 
+def host_float(value: int | float | np.integer | np.floating) -> float:
+    """A Python or NumPy real number as a Python float: an int too large for one (2**1100)
+    becomes infinite, and is then refused as such, rather than raising `OverflowError`."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def check_positive_int(where: str, name: str, value: Any, *, limit: int | None = MAX_SIZE) -> int:
     """`value`, a positive Python or NumPy int of at most `limit` (None: any), as an int;
     refused naming `name` otherwise. Every size a buffer holds or draws is bounded by
@@ -106,12 +115,16 @@ def as_sequence(where: str, name: str, value: Any, one: str) -> tuple:
         ) from None
 
 
-def check_shares(where: str, name: str, values: Any, count: int, of: str) -> tuple[float, ...]:
-    """`values` checked to be `count` shares (one per `of`): a sequence of Python or NumPy
-    real numbers, each finite and `>= 0`, summing to 1 (within 1e-6); as floats."""
+def check_shares(
+    where: str, name: str, values: Any, count: int, of: str, counted: str | None = None
+) -> tuple[float, ...]:
+    """`values` checked to be `count` shares (one per `of`, whose number the argument
+    `counted` gives, if one does): a sequence of Python or NumPy real numbers, each finite
+    and `>= 0`, summing to 1 (within 1e-6); as floats."""
     shares = as_sequence(where, name, values, f"floats, one per {of}")
     if len(shares) != count:
-        raise ValueError(f"{where}: {len(shares)} {name} for {count} {of}s; give one each.")
+        given = "" if counted is None else f" (`{counted}`={count})"
+        raise ValueError(f"{where}: {len(shares)} {name} for {count} {of}s{given}; give one each.")
     for i, p in enumerate(shares):
         if isinstance(p, bool | np.bool_) or not isinstance(
             p, int | float | np.integer | np.floating

@@ -14,7 +14,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 from ._axes import in_blocks, on_auto_axes
 from ._buffers._epochs import no_epochs
 from ._buffers._samples import AbstractSample
-from ._checks import check_positive_int, refuse_flashbax_only
+from ._checks import check_positive_int, host_float, refuse_flashbax_only
 from ._custom_types import BoolScalar, ExperienceBatch, StepCount
 from ._errors import error_if, recorded
 from ._protocol import AbstractPrioritisedSource, AbstractReplayBuffer
@@ -40,7 +40,7 @@ def _split(x: float) -> tuple[int, np.float32]:
 def _check_number(where: str, name: str, value: Any, positive: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
         raise TypeError(f"{where}: `{name}` must be a Python float, got {value!r}.")
-    value = float(value)
+    value = host_float(value)
     bound = "> 0" if positive else ">= 0"
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         raise ValueError(f"{where}: `{name}` must be finite and {bound}, got {value}.")

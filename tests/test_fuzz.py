@@ -9,6 +9,7 @@ donation) it raises with the buffer it returned in `error.output`. The buffers r
 compared leaf by leaf with the buffer before the call."""
 
 import collections
+import math
 import re
 
 import equinox as eqx
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given, HealthCheck, settings
 
 import equibuffer as eb
 
@@ -355,7 +356,9 @@ def test_sequences_given_as_one_thing_are_refused_by_name(as_users_run):
         eb.ClusteredBuffer(EX, weights=0.5, **clustered)
     with pytest.raises(TypeError, match=r"weights\[0\] must be a Python float, got '0.5'"):
         eb.ClusteredBuffer(EX, weights=("0.5", "0.5"), **clustered)
-    with pytest.raises(ValueError, match="1 weights for 2 clusters; give one each"):
+    with pytest.raises(
+        ValueError, match=r"1 weights for 2 clusters \(`num_clusters`=2\); give one each"
+    ):
         eb.ClusteredBuffer(EX, weights=(1.0,), **clustered)
     assert eb.ClusteredBuffer(EX, weights=np.array([0.25, 0.75]), **clustered).weights == (
         0.25,
@@ -516,3 +519,163 @@ def test_an_add_with_a_cluster_id_out_of_range_changes_nothing(name, held, ids):
     batch = {"id": jnp.array(ids, jnp.int32), "x": jnp.full(2, 5.0)}
     refused_three_ways(_add, buffer, (batch,), "returned a cluster id outside [0, num_clusters=3)")
     TRIED[name, "a cluster id out of range"] += 1
+
+
+# ------------------------------------- random bad arguments to every constructor and to sample
+
+FUZZ_EX = {
+    "obs": jnp.zeros(3),
+    "reward": jnp.float32(0),
+    "done": jnp.bool_(False),
+    "terminated": jnp.bool_(False),
+    "truncated": jnp.bool_(False),
+}
+_RING = dict(add_batch_size=2, max_length_time_axis=8)
+_CLUSTERS = dict(add_batch_size=2, num_clusters=2, cluster_capacity=4, cluster_fn=lambda item: 0)
+# Each kind with every argument it takes given (a valid value), one of them replaced below.
+FUZZ_KINDS = {
+    "TrajectoryBuffer": (eb.TrajectoryBuffer, dict(_RING, sequence_length=2, period=1)),
+    "TransitionBuffer": (eb.TransitionBuffer, dict(_RING, n_step=2, discount=0.9)),
+    "ItemBuffer": (eb.ItemBuffer, dict(add_batch_size=2, capacity=8, min_size=2)),
+    "PrioritisedTrajectoryBuffer": (
+        eb.PrioritisedTrajectoryBuffer,
+        dict(_RING, sequence_length=2, alpha=0.6),
+    ),
+    "PrioritisedTransitionBuffer": (
+        eb.PrioritisedTransitionBuffer,
+        dict(_RING, alpha=0.6, n_step=2, discount=0.9, mode="never_cross"),
+    ),
+    "EpisodeTrajectoryBuffer": (
+        eb.EpisodeTrajectoryBuffer,
+        dict(_RING, sequence_length=2, episode_end="done", mode="pad", min_length_time_axis=2),
+    ),
+    "Queue": (eb.Queue, dict(_RING, sequence_length=2, add_sequence_length=1)),
+    "ClusteredBuffer": (eb.ClusteredBuffer, dict(_CLUSTERS, weights=(0.5, 0.5))),
+    "PrioritisedClusteredBuffer": (eb.PrioritisedClusteredBuffer, dict(_CLUSTERS, alpha=0.6)),
+}
+# fmt: off
+POOL = [None, "3", "done", "nope", "pad", "never_cross", 3.5, -1, 0, True, 2**40, np.nan,
+        np.inf, -0.5, 1e30, [2], (), object(), 1j, np.float32(2.0), np.int64(-3), lambda x: x]
+# fmt: on
+# The pool first (Hypothesis draws small indices first: each of it is tried), then any
+# integer (but those between 64 and 2**31, which may be sizes this machine can allocate and
+# so make buffers of gigabytes), float or text.
+BAD_VALUES = st.one_of(
+    st.sampled_from(POOL),
+    st.integers(-(2**1100), 64) | st.integers(2**31, 2**1100),
+    st.floats(),
+    st.text(max_size=3),
+)
+
+
+def _real(value) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
+        value, bool | np.bool_
+    )
+
+
+def _size(v, base) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool) and v >= 1
+
+
+# The values that are valid for an argument (of a kind given `base`): anything else must be
+# refused.
+VALID = {
+    **dict.fromkeys(
+        ["add_batch_size", "max_length_time_axis", "capacity", "sequence_length", "period"]
+        + ["n_step", "num_clusters", "cluster_capacity"],
+        _size,
+    ),
+    "alpha": lambda v, base: _real(v) and 0 <= v < math.inf,  # (any exponent >= 0)
+    "discount": lambda v, base: _real(v) and 0 <= v <= 1,
+    # ("pad" is how episode-aware transitions end: without `episode_end` it is refused)
+    "mode": lambda v, base: v == "never_cross" or (v == "pad" and "episode_end" in base),
+    "episode_end": lambda v, base: v == "done",
+    # (None: the default, the steps one sample spans)
+    "min_size": lambda v, base: v is None or _size(v, base),
+    "min_length_time_axis": lambda v, base: v is None or _size(v, base),
+    "add_sequence_length": lambda v, base: v is None or _size(v, base),
+    "weights": lambda v, base: v is None,
+}
+
+
+# (`as_users_run` is the same for every example: suppressing the check is safe.)
+AS_USERS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.mark.parametrize(
+    "kind,argument", [(kind, a) for kind, (_, base) in sorted(FUZZ_KINDS.items()) for a in base]
+)
+@settings(max_examples=budget(60), **AS_USERS)
+@given(value=BAD_VALUES)
+def test_random_bad_constructor_arguments_are_refused_naming_them(
+    kind, argument, value, as_users_run
+):
+    """Any argument of any kind replaced by a value of the wrong type, sign, size or name:
+    a `TypeError` or `ValueError` whose message names the argument (nothing else: no
+    `ZeroDivisionError`, `OverflowError`, XLA error or crash), unless the value is one the
+    argument takes."""
+    cls, base = FUZZ_KINDS[kind]
+    try:
+        cls(FUZZ_EX, **{**base, argument: value})
+    except (TypeError, ValueError) as error:
+        assert argument in str(error), str(error)
+        TRIED[kind, f"a bad `{argument}`"] += 1
+    else:
+        assert VALID.get(argument, lambda v, base: False)(value, base), (
+            f"{argument}={value!r} taken"
+        )
+
+
+_FUZZ_SAMPLED = {}
+
+
+def _fuzz_sampled(name: str):
+    if name not in _FUZZ_SAMPLED:
+        cls, base = FUZZ_KINDS[name]
+        buffer = cls(FUZZ_EX, **base)
+        steps = 4 if buffer.__class__.__name__ != "Queue" else 2
+        batch = jax.tree.map(lambda x: jnp.ones((2, steps, *x.shape), x.dtype), FUZZ_EX)
+        if "Clustered" in name:
+            batch = jax.tree.map(lambda x: x[:, 0], batch)
+        _FUZZ_SAMPLED[name] = _ADD(buffer, batch)
+    return _FUZZ_SAMPLED[name]
+
+
+NOT_KEYS = st.sampled_from(
+    [None, 0, 7, "key", 3.5, np.int64(1), jnp.zeros(3, jnp.uint32), jnp.zeros(2, jnp.float32)]
+)
+SAMPLE_ARGUMENTS = {
+    "key": lambda b, v: b.sample(v, 4),
+    "batch_size": lambda b, v: b.sample(jax.random.key(0), v),
+    "row_blocks": lambda b, v: b.sample(jax.random.key(0), 4, row_blocks=v),
+    "beta": lambda b, v: b.sample(jax.random.key(0), 4, beta=v),
+}
+
+
+@settings(max_examples=budget(100), **AS_USERS)
+@given(
+    kind=st.sampled_from(sorted(set(FUZZ_KINDS) - {"Queue"})),  # (its sample takes nothing)
+    argument=st.sampled_from(sorted(SAMPLE_ARGUMENTS)),
+    data=st.data(),
+)
+def test_random_bad_sample_arguments_are_refused_naming_them(kind, argument, data, as_users_run):
+    """A bad key, batch size, number of row blocks or `beta` (prioritised kinds): refused
+    naming it. A `beta` may be a traced number (annealed inside jit), so a negative or NaN
+    one given as an array is refused by the traced check, which names it too."""
+    buffer = _fuzz_sampled(kind)
+    if argument == "beta" and "Prioritised" not in kind:
+        return
+    value = data.draw(NOT_KEYS if argument == "key" else BAD_VALUES, label="value")
+    try:
+        SAMPLE_ARGUMENTS[argument](buffer, value)
+    except (TypeError, ValueError, eqx.EquinoxRuntimeError) as error:
+        assert f"`{argument}`" in str(error) or argument in str(error), str(error)
+        TRIED[kind, f"a bad `{argument}` to sample"] += 1
+    else:
+        taken = {
+            "beta": VALID["alpha"],
+            "batch_size": _size,
+            "row_blocks": lambda v, base: _size(v, base) and 4 % v == 0,  # (of a batch of 4)
+        }
+        assert taken.get(argument, lambda v, base: False)(value, {}), f"{argument}={value!r} taken"

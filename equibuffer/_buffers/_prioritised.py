@@ -15,7 +15,7 @@ from .._ring import RingStorage
 from .._sumtree import SumTree
 from ..rules._base import AbstractPrioritisedRule, AbstractRule
 from ..rules._by_priority import check_beta
-from ..rules._episode_ends import EpisodeEnd, Mode
+from ..rules._episode_ends import check_mode, EpisodeEnd, Mode
 from ..rules._prioritised import prioritised
 from ..rules._prioritised_episodic import prioritised_episodic
 from ..rules._request import Request
@@ -394,6 +394,7 @@ class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
         - `alpha`: the priority exponent, `>= 0` (default 0.6).
         """
         where = "PrioritisedTransitionBuffer()"
+        check_mode(where, mode, episode_end)
         view = transition_view(where, n_step, discount, reward, terminated, truncated)
         rule = (
             prioritised(where, alpha)

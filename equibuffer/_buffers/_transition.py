@@ -6,7 +6,7 @@ from .._custom_types import ExampleTree
 from .._frames import Frames
 from .._ring import RingStorage
 from ..rules._base import AbstractUniformRule
-from ..rules._episode_ends import EpisodeEnd, Mode
+from ..rules._episode_ends import check_mode, EpisodeEnd, Mode
 from ..rules._episodic import episodic
 from ..rules._uniform import UNIFORM
 from ..views._base import AbstractView
@@ -109,6 +109,7 @@ class TransitionBuffer(AbstractUniformBuffer):
         """
         where = "TransitionBuffer()"
         view = transition_view(where, n_step, discount, reward, terminated, truncated)
+        check_mode(where, mode, episode_end)
         rule = UNIFORM if episode_end is None else episodic(where, episode_end, mode)
         self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
             where, example, add_batch_size, sizes, rule, view, flat=True, frames=frames

@@ -56,7 +56,7 @@ def configure_clusters(
     if not callable(cluster_fn):
         raise TypeError(f"{where}: `cluster_fn` must be a function of one item.")
     if weights is not None:
-        weights = check_shares(where, "weights", weights, k, "cluster")
+        weights = check_shares(where, "weights", weights, k, "cluster", "num_clusters")
     given = f"`num_clusters`={k} and `cluster_capacity`={cap}"
     check_fits(where, given, k, cap, stored_steps(where, example, None)[1])
     storage = ClusterStorage(example, rows, k, cap)

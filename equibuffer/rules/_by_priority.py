@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .._barriers import read_once
-from .._checks import check_indices
+from .._checks import check_indices, host_float
 from .._custom_types import BoolScalar, Indices, Steps
 from .._errors import branched_error_if
 from .._ring import RingStorage
@@ -40,10 +40,13 @@ class TreeKept(Protocol):
 _Kept = TypeVar("_Kept", bound=TreeKept)
 
 
+_FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
+
+
 def check_alpha(where: str, alpha: Any) -> float:
     if isinstance(alpha, bool) or not isinstance(alpha, int | float):
         raise TypeError(f"{where}: `alpha` must be a Python float, got {alpha!r}.")
-    alpha = float(alpha)
+    alpha = host_float(alpha)
     if not (math.isfinite(alpha) and alpha >= 0):
         raise ValueError(
             f"{where}: `alpha` must be finite and >= 0 (0 samples uniformly, 1 fully in "
@@ -57,7 +60,7 @@ def check_priority(where: str, priority: Any) -> float:
     Python float (0 would exclude every window it is given to)."""
     if isinstance(priority, bool) or not isinstance(priority, int | float):
         raise TypeError(f"{where}: `priority` must be a Python float, got {priority!r}.")
-    priority = float(priority)
+    priority = host_float(priority)
     if not (math.isfinite(priority) and priority > 0):
         raise ValueError(
             f"{where}: `priority` must be finite and > 0 (a window of priority 0 is never "
@@ -79,7 +82,8 @@ def check_beta(where: str, beta: Any) -> Float[Array, ""]:
     0-d float32 array; a Python number must be finite and >= 0 (a traced one is checked
     inside jit, with the draw)."""
     if isinstance(beta, int | float) and not isinstance(beta, bool):
-        if not (math.isfinite(beta) and beta >= 0):
+        # (finite as the float32 it is drawn with: 3.5e38 would become infinite)
+        if not 0 <= beta <= _FLOAT32_MAX:
             raise ValueError(f"{where}: `beta` must be finite and >= 0, got {beta}.")
     elif not _real(beta):
         raise TypeError(

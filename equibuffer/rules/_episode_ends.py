@@ -23,9 +23,18 @@ from ._valid import held_on_period, offset_slots, window_offsets, window_steps
 Mode: TypeAlias = Literal["never_cross", "pad"]
 
 
-def check_mode(where: str, mode: Any) -> Mode:
+def check_mode(where: str, mode: Any, episode_end: Any = ...) -> Mode:
+    """`mode`, refused unless it is one of the two; where `episode_end` is given as None (a
+    transition buffer's default, which reads no episode ends), also unless it is the default
+    (before, any `mode` was taken there and ignored)."""
     if mode not in ("never_cross", "pad"):
         raise ValueError(f"{where}: `mode` must be 'never_cross' or 'pad', got {mode!r}.")
+    if episode_end is None and mode != "never_cross":
+        raise ValueError(
+            f"{where}: mode={mode!r} is how episode-aware transitions treat an episode's end, "
+            "and `episode_end` is None: give `episode_end` (the bool leaf, or a function of "
+            "one step, that marks an episode's last step) or leave `mode` out."
+        )
     return mode
 
 

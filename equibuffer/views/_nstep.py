@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PyTree, Shaped
 
-from .._checks import check_positive_int
+from .._checks import check_positive_int, host_float
 from .._custom_types import Indices
 from .._ring import RingStorage
 from ._base import AbstractView, Mask, zero_where_not
@@ -62,7 +62,7 @@ class NStepTransition(eqx.Module):
 def check_discount(where: str, discount: Any) -> float:
     if isinstance(discount, bool) or not isinstance(discount, int | float):
         raise TypeError(f"{where}: `discount` must be a Python float, got {discount!r}.")
-    discount = float(discount)
+    discount = host_float(discount)
     if not (math.isfinite(discount) and 0 <= discount <= 1):
         raise ValueError(f"{where}: `discount` must be between 0 and 1, got {discount}.")
     return discount

@@ -11,6 +11,7 @@ from typing import Any, Literal, TypeAlias
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
 from ._checks import as_example_leaf, check_positive_int, keystr
@@ -267,3 +268,27 @@ def expected_older(
     starts = xp.concatenate([start[:, None], ends[:, :-1]], axis=1)
     pad = newest if frames.padding == "reset" else xp.zeros_like(newest)
     return xp.where(starts.reshape(*starts.shape, *(1,) * (newest.ndim - 2)), pad, prev)
+
+
+def stacks_on_host(frames: Frames, steps: Any, first: int) -> Any:
+    """Steps `first:` of `steps` (NumPy leaves `(rows, n, *leaf)`, one frame per step of
+    `frames.leaf`, read from an archive) with that leaf made the stacks the wrapper returned:
+    each step's own episode's last `k` frames, oldest first on `frames.axis`, its first frame
+    (or zeros) before it. Step 0 is taken as an episode's first step: the caller reads from
+    `k - 1` steps before `first`, or from the first step its source ever added.
+    (`frames` is checked, its `episode_end` a leaf's name.)"""
+    leaves, treedef = jax.tree_util.tree_flatten(steps)
+    i = leaf_position(steps, frames.leaf)
+    ends = np.asarray(frames.ends_of(steps, 2), bool)
+    x = np.asarray(leaves[i])
+    rows, n = ends.shape
+    index = np.arange(n)
+    begins = np.concatenate([np.ones((rows, 1), bool), ends[:, :-1]], axis=1)
+    episode_start = np.maximum.accumulate(np.where(begins, index, 0), axis=1)[:, first:, None]
+    back = index[first:, None] - (frames.k - 1) + np.arange(frames.k)  # (steps, k)
+    stacks = x[np.arange(rows)[:, None, None], np.maximum(back, episode_start)]
+    if frames.padding == "zeros":
+        stacks[back < episode_start] = 0
+    out = [np.asarray(leaf)[:, first:] for leaf in leaves]
+    out[i] = np.moveaxis(stacks, 2, 2 + frames.axis)
+    return jax.tree_util.tree_unflatten(treedef, out)

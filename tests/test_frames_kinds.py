@@ -7,14 +7,17 @@ devices (`shard_rows`, both axis types, and `row_blocks`) or one buffer per devi
 import textwrap
 
 import equinox as eqx
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import zarr
+from hypothesis import given, settings
 
 import equibuffer as eb
 
-from .helpers import run_on_host_devices
+from .helpers import budget, run_on_host_devices
 from .test_frames import _check_sample, _example, History, step_batch, wrapper_stack
 
 
@@ -286,6 +289,14 @@ def test_the_archive_stores_frames_once_and_restores_a_working_buffer(tmp_path):
             archive.write(buffer)
         assert archive.read(0, 30)["obs"].shape == (2, 30, 2)  # one frame per step
         np.testing.assert_array_equal(archive.read(0, 30)["obs"], single)
+        # `read(frames=)`: the wrapper's stacks of every step (the archive starts at the
+        # source's first step), of any range and rows; the other leaves as they are.
+        stacks = np.stack([[history.stack(r, s) for s in range(t)] for r in range(rows)])
+        stacked = archive.read(frames=_frames())
+        np.testing.assert_array_equal(stacked["obs"], stacks)
+        np.testing.assert_array_equal(stacked["done"], done)
+        part = archive.read(11, -7, rows=[1], frames=_frames())
+        np.testing.assert_array_equal(part["obs"], stacks[1:, 11:23])
         fresh = eb.TransitionBuffer(
             _example(K, -1), add_batch_size=2, max_length_time_axis=16, frames=_frames()
         )
@@ -387,6 +398,15 @@ def test_the_archive_loader_skips_starts_whose_frames_it_lacks(tmp_path):
                     np.asarray(batch.experience.first["obs"][i]), history.stack(r, source)
                 )
     assert sorted(seen) == [(r, s) for r in range(rows) for s in range(K - 1, length - 1)]
+    # `read(frames=)` refuses the steps whose earlier frames are lost, saying where to start,
+    # and from there returns the wrapper's stacks.
+    with pytest.raises(ValueError, match=r"step 1 is fewer than k - 1 = 2 steps into its "
+                       r"segment .* starts at 0 .* Read from step 2 on"):  # fmt: skip
+        archive.read(1, frames=_frames())
+    stacked = archive.read(K - 1, frames=_frames())["obs"]
+    for r in range(rows):
+        for s in range(K - 1, length):
+            np.testing.assert_array_equal(stacked[r, s - K + 1], history.stack(r, s + t - length))
 
 
 def _stacked_d4rl(path, lengths, padding="reset"):
@@ -460,3 +480,35 @@ def test_a_data_set_of_stacks_is_imported_one_frame_per_step(tmp_path, monkeypat
     _stacked_d4rl(tmp_path / "z.hdf5", [5, 1, 4, 2], padding="zeros")
     with pytest.raises(eb.SourceError, match=r"disagree at step 0 of row 0.*padding='reset'"):
         eb.from_d4rl(tmp_path / "z.hdf5", tmp_path / "z.zarr", progress=False, frames=frames)
+
+
+@settings(max_examples=budget(20), deadline=None)
+@given(
+    k=st.integers(1, 4),
+    padding=st.sampled_from(["reset", "zeros"]),
+    axis=st.sampled_from([0, 1, -1]),
+    dones=st.lists(st.lists(st.booleans(), min_size=12, max_size=12), min_size=1, max_size=2),
+    t=st.integers(1, 12),
+)
+def test_read_with_frames_returns_the_wrappers_stacks(k, padding, axis, dones, t):
+    """`Archive.read(frames=)` against the wrapper's stacks (NumPy reference) on random
+    episode layouts, episodes shorter than `k` included, either padding, any stack axis."""
+    rows = len(dones)
+    history = History(rows, k, padding, axis)
+    single, _, _ = history.steps(np.random.default_rng(0), t, 0.0)
+    done = np.array(dones)[:, :t]
+    history.dones = [list(d) for d in done]
+    frames = eb.Frames("obs", k, axis=axis, padding=padding, episode_end="done")
+    buffer = eb.ItemBuffer(
+        _example(k, axis), add_batch_size=rows, capacity=16 * rows, frames=frames
+    )
+    buffer = _ADD(buffer, step_batch(single, done))
+    with eb.Archive(zarr.storage.MemoryStore(), buffer) as archive:
+        archive.write(buffer)
+        stacked = archive.read(frames=frames)["obs"]
+    for r in range(rows):
+        for s in range(t):
+            np.testing.assert_array_equal(stacked[r, s], history.stack(r, s))
+
+
+_ADD = eqx.filter_jit(lambda buffer, batch: buffer.add(batch))

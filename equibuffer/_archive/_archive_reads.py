@@ -10,6 +10,7 @@ from typing import TypeVar
 import numpy as np
 from jaxtyping import PyTree
 
+from .._frames import Frames
 from ._format import BufferLike, Rows
 from ._reader import Reader
 from ._sampler import ArchiveSample, sample, Seed
@@ -26,13 +27,27 @@ class ArchiveReads:
     # ------------------------------------------------------------------------- reading
 
     def read(
-        self, start: int = 0, stop: int | None = None, *, rows: Rows = None
+        self,
+        start: int = 0,
+        stop: int | None = None,
+        *,
+        rows: Rows = None,
+        frames: Frames | None = None,
     ) -> PyTree[np.ndarray]:
         """Time steps `[start, stop)` (negative counts from the end, like Python) of the
         selected `rows` (None: all; an int sequence; or a slice), as NumPy arrays
         `(rows, stop - start, *leaf)` in the buffer's tree structure (a dict by leaf name
         without `like`). Asking beyond the committed length raises an `IndexError` that
         says how many steps there are.
+
+        `frames`: an [`equibuffer.Frames`][] (its `episode_end` the name of the archive's
+        bool episode-end leaf), for an archive of one frame per step (of a buffer with
+        `frames=`): the frames leaf comes back as the stacks the frame-stacking wrapper
+        returned at each step, built from the `k - 1` steps before it as well, as every
+        sample of the buffer returns them. A step fewer than `k - 1` steps after steps the
+        archive lost (or after its first step, unless that was its source's first) has
+        frames that are not held, and is refused with a `ValueError` that says where to read
+        from.
 
         !!! example
 
@@ -50,6 +65,8 @@ class ArchiveReads:
             assert reader.read()["obs"].shape == (2, 10, 3)
             ```
         """
+        if frames is not None:
+            return self._reader.read_stacked(start, stop, rows, frames)
         return self._reader.read(start, stop, rows)
 
     def iter(

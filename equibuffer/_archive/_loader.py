@@ -35,7 +35,7 @@ from ..views._nstep import check_discount, check_leaves, check_n_step, NStepView
 from ..views._pair import PairView
 from ..views._window import WindowView
 from ._archive import Archive
-from ._reader import Reader
+from ._reader import Reader, stacks_held
 from ._sampler import generator, Seed
 from ._set import ArchiveSet
 
@@ -117,18 +117,6 @@ def _valid_starts(
             starts = first + k_lo * period, first + k_hi * period
             parts.append(np.arange(*starts, period, dtype=np.int64))
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
-
-
-def _stacks_held(
-    segments: list[tuple[int, int]], starts: np.ndarray, lookback: int, fresh: bool
-) -> np.ndarray:
-    """Which `starts` have the `lookback` steps before them in their own segment, the
-    frames their stacks read: all but the first `lookback` of a segment, unless it is the
-    archive's first and starts at the source's first step ever (an episode's first step)."""
-    firsts = np.asarray([a for a, _ in segments], np.int64)
-    seg = np.searchsorted(firsts, starts, side="right") - 1
-    held = starts - firsts[seg] >= lookback
-    return held | (fresh & (seg == 0) & (firsts[0] == 0))
 
 
 class ArchiveLoader:
@@ -392,7 +380,7 @@ class ArchiveLoader:
                 hi = min(lo + size, n)
                 starts = _valid_starts(segments, lo, hi, window, self.period)
                 if b and len(starts):
-                    starts = starts[_stacks_held(segments, starts, b, fresh)]
+                    starts = starts[stacks_held(segments, starts, b, fresh)]
                 if len(starts):
                     read_first = max(0, lo - b)
                     blocks.append(_Block(m, lo, hi, int(starts[-1]) + window, starts, read_first))

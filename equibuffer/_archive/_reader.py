@@ -17,6 +17,7 @@ import zarr
 from zarr.abc.store import Store
 
 from .._checks import check_positive_int
+from .._frames import as_frames, Frames, stacks_on_host
 from .._ring import RingStorage
 from ._chunks import Chunks, direct_io, EMPTY, LeafIO, Shards
 from ._format import ATTR, Commit, Layout, schema_diff, schema_of, storage_of
@@ -374,6 +375,36 @@ class Reader:
             return self.unflatten(outs)
         return self.unflatten(self.read_raw(start, stop, rsel))
 
+    def read_stacked(self, start: int, stop: int | None, rows: Any, frames: Frames) -> Any:
+        """`read`, the frames leaf made the stacks the wrapper returned (`frames`), each
+        built from the `k - 1` steps before it as well."""
+        where = "Archive.read()"
+        c = self.commit
+        zeros = [np.zeros(leaf.shape, np.dtype(leaf.stored)) for leaf in self.layout.leaves]
+        frames = as_frames(where, frames).for_stored(where, self.unflatten(zeros))
+        if not isinstance(frames.episode_end, str):
+            raise TypeError(
+                f"{where}: an archive's frames read their episode ends from a leaf: give "
+                "`Frames(episode_end=)` the name of the archive's 0-d bool episode-end leaf."
+            )
+        start = start + c.length if start < 0 else start
+        stop = c.length if stop is None else (stop + c.length if stop < 0 else stop)
+        self.check_range(where, start, stop)
+        segments, back = c.segments(), frames.lookback
+        steps = np.arange(start, stop, dtype=np.int64)
+        held = stacks_held(segments, steps, back, c.length > 0 and c.source_step(0) == 0)
+        if not held.all():
+            bad = int(steps[~held][0])
+            first = max(a for a, _ in segments if a <= bad)
+            raise ValueError(
+                f"{where}: step {bad} is fewer than k - 1 = {back} steps into its segment of "
+                f"contiguous steps, which starts at {first} (after steps the archive lost, or "
+                "where an archive begins that did not begin with its source): the earlier "
+                f"frames of its stack are not held. Read from step {first + back} on."
+            )
+        read_first = max(start - back, max((a for a, _ in segments if a <= start), default=0))
+        return stacks_on_host(frames, self.read(read_first, stop, rows), start - read_first)
+
     def iter(self, steps: int | None, start: int, stop: int | None, rows: Any) -> Iterator:
         where = "Archive.iter()"
         steps = (
@@ -438,3 +469,15 @@ class Reader:
         raw = self.commit.length * self.layout.rows * sum(leaf.step_bytes for leaf in leaves)
         stored = sum(int(a.nbytes_stored()) for a in self.arrays.values())
         return raw, stored
+
+
+def stacks_held(
+    segments: list[tuple[int, int]], starts: np.ndarray, lookback: int, fresh: bool
+) -> np.ndarray:
+    """Which `starts` have the `lookback` steps before them in their own segment, the
+    frames their stacks read: all but the first `lookback` of a segment, unless it is the
+    archive's first and starts at the source's first step ever (an episode's first step)."""
+    firsts = np.asarray([a for a, _ in segments], np.int64)
+    seg = np.searchsorted(firsts, starts, side="right") - 1
+    held = starts - firsts[seg] >= lookback
+    return held | (fresh & (seg == 0) & (firsts[0] == 0))

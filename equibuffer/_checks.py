@@ -184,14 +184,39 @@ def check_indices(where: str, indices: Any) -> jax.Array:
     return indices
 
 
+def as_example(example: Any) -> Any:
+    """The example a constructor was given with every Python or NumPy number or bool, and
+    every NumPy array of them, made a JAX array as `jnp.asarray` takes it (a Python float is
+    float32 without x64, as in Flashbax's examples); other leaves (JAX arrays,
+    `jax.ShapeDtypeStruct`s, and strings, objects, ... that `as_example_leaf` refuses by
+    name) as they are."""
+
+    def convert(path: Sequence[Any], leaf: Any) -> Any:
+        numbers = isinstance(leaf, bool | int | float | complex | np.generic | np.ndarray)
+        if not numbers or np.asarray(leaf).dtype.kind not in "biufc":
+            return leaf
+        try:
+            return jnp.asarray(leaf)
+        except OverflowError:
+            raise ValueError(
+                f"example leaf {keystr(path)} is {leaf!r}, which JAX's default "
+                f"{'int32' if isinstance(leaf, int) else 'dtype'} cannot hold; give the leaf "
+                "as an array of the dtype to store (e.g. jnp.int32(0)); its value does not "
+                "matter, only its shape and dtype."
+            ) from None
+
+    return jax.tree_util.tree_map_with_path(convert, example)
+
+
 def as_example_leaf(path: Sequence[Any], leaf: Any) -> jax.ShapeDtypeStruct:
-    """Shape and dtype of one leaf of the example tree given to a constructor."""
+    """Shape and dtype of one leaf of the example tree given to a constructor (after
+    `as_example`)."""
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return leaf
     if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
         raise TypeError(
             f"example leaf {keystr(path)} is {type(leaf).__name__} {leaf!r}; every leaf must be "
-            "an array (e.g. jnp.float32(0.0) rather than 0.0) so that its dtype is explicit."
+            "a number, a bool or an array of them (e.g. 0.0, jnp.zeros(3), np.int32(0))."
         )
     if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         raise TypeError(
@@ -306,11 +331,13 @@ FLASHBAX_ONLY = {
     "sample_sequence_length": "pass `sequence_length=` (on the trajectory buffers and the Queue)",
     "add_sequences": (
         "drop it: `add` takes one step `(add_batch_size, *leaf)` or `T` steps "
-        "`(add_batch_size, T, *leaf)`, told apart by the batch's rank"
+        "`(add_batch_size, T, *leaf)`, told apart by the batch's rank (`ItemBuffer` and "
+        "`PrioritisedItemBuffer` take it, as Flashbax's item buffer does)"
     ),
     "add_batches": (
         "drop it: every `add` has the leading `add_batch_size` axis "
-        "(`add_batch_size=1` and `x[None]` for a single stream)"
+        "(`add_batch_size=1` and `x[None]` for a single stream; `ItemBuffer` and "
+        "`PrioritisedItemBuffer` take it, as Flashbax's item buffer does)"
     ),
     "priority_exponent": "pass `alpha=` (on the prioritised buffers)",
     "device": "drop it: one sum tree runs on every platform",

@@ -155,7 +155,7 @@ class Mixer(AbstractPrioritisedSource):
         where = "Mixer()"
         buffers = as_sequence(where, "buffers", buffers, "buffers")
         if not buffers:
-            raise ValueError(f"{where}: give at least one buffer.")
+            raise ValueError(f"{where}: `buffers` is empty: give at least one buffer.")
         for i, b in enumerate(buffers):
             if not isinstance(b, AbstractSource):
                 raise TypeError(

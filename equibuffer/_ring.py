@@ -9,6 +9,7 @@ from equinox.internal import unvmap_all, unvmap_any
 from jaxtyping import Array, ArrayLike, Bool, Int, PyTree, Shaped, UInt32
 
 from ._checks import (
+    as_example,
     as_example_leaf,
     BARRIER_EXPANDED,
     check_dtype,
@@ -56,6 +57,7 @@ def stored_steps(
     """What a ring stores of one step of `example`: the tree's structure, each leaf's shape
     and dtype (the frame leaf without its stack axis when `frames` is given), and `frames`
     checked against the example."""
+    example = as_example(example)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(example)
     if not leaves:
         raise ValueError(f"{where}: `example` has no array leaves.")
@@ -80,7 +82,8 @@ class RingStorage(eqx.Module):
     **Arguments:**
 
     - `example`: one step of experience, a pytree whose leaves are arrays (or
-        `jax.ShapeDtypeStruct`s); the storage allocates zeros shaped `(rows, length, *leaf)`.
+        `jax.ShapeDtypeStruct`s; Python and NumPy numbers and NumPy arrays are taken as
+        `jnp.asarray` takes them); the storage allocates zeros shaped `(rows, length, *leaf)`.
     - `rows`: the number of rows (typically the number of parallel environments).
     - `length`: the number of time steps kept per row.
     - `frames`: an [`equibuffer.Frames`][] (its `episode_end` given), to store one frame per

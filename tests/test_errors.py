@@ -3,6 +3,7 @@ import re
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import equibuffer as eb
@@ -148,9 +149,34 @@ def test_transition_buffer_needs_two_steps_per_row():
         eb.TransitionBuffer(EXAMPLE, add_batch_size=4, capacity=4)
 
 
-def test_example_leaf_must_be_an_array():
-    with pytest.raises(TypeError, match=r"example leaf \['reward'\] is float 0.0"):
-        eb.ItemBuffer({"reward": 0.0}, add_batch_size=1, max_length_time_axis=2)
+def test_example_leaves_are_taken_as_jnp_asarray_takes_them():
+    """Python and NumPy numbers, bools and NumPy arrays in the example are taken as
+    `jnp.asarray` takes them, as Flashbax takes them (issue 47: a ported agent's
+    `info={"episode_return": 0.0, "episode_length": 0}`); strings and other objects are
+    still refused, naming the leaf."""
+    example = {
+        "reward": 0.0,
+        "length": 0,
+        "done": False,
+        "obs": np.zeros(3),  # float64: float32 without x64, as jnp.asarray makes it
+        "action": np.int64(2),
+        "info": {"episode_return": 0.0},
+    }
+    buffer = eb.ItemBuffer(example, add_batch_size=1, max_length_time_axis=2)
+    expected = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.asarray(x).dtype), example
+    )
+    assert buffer.storage.example() == expected
+    batch = jax.tree.map(lambda x: jnp.asarray(x)[None], example)
+    sample = eqx.filter_jit(lambda b: b.add(batch).sample(jax.random.key(0), 2))(buffer)
+    assert sample.experience["info"]["episode_return"].dtype == jnp.float32
+    for leaf, message in [
+        ("a", r"example leaf \['reward'\] is str 'a'; every leaf must be a number, a bool"),
+        (object(), r"example leaf \['reward'\] is object <object"),
+        (2**40, r"example leaf \['reward'\] is 1099511627776, which JAX's default int32 cannot"),
+    ]:
+        with pytest.raises((TypeError, ValueError), match=message):
+            eb.ItemBuffer({"reward": leaf}, add_batch_size=1, max_length_time_axis=2)
 
 
 def test_example_leaf_must_not_be_a_typed_key():

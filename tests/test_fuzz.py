@@ -596,6 +596,9 @@ VALID = {
     "min_length_time_axis": lambda v, base: v is None or _size(v, base),
     "add_sequence_length": lambda v, base: v is None or _size(v, base),
     "weights": lambda v, base: v is None,
+    # (a rate: any finite positive number up to 2**28)
+    "samples_per_insert": lambda v, base: _real(v) and 0 < v <= 2**28,
+    "tolerance": lambda v, base: _real(v) and 0 <= v <= 2**28,
 }
 
 
@@ -603,8 +606,23 @@ VALID = {
 AS_USERS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+# The wrappers, built from buffers (their `example` argument unused).
+_ITEMS = eb.ItemBuffer(FUZZ_EX, add_batch_size=2, capacity=8)
+WRAPPERS = {
+    "RateLimited": (
+        lambda _, **kw: eb.RateLimited(**kw),
+        dict(buffer=_ITEMS, samples_per_insert=1.0, tolerance=64.0),
+    ),
+    "Mixer": (
+        lambda _, **kw: eb.Mixer(**kw),
+        dict(buffers=(_ITEMS, _ITEMS), proportions=(0.5, 0.5)),
+    ),
+}
+
+
 @pytest.mark.parametrize(
-    "kind,argument", [(kind, a) for kind, (_, base) in sorted(FUZZ_KINDS.items()) for a in base]
+    "kind,argument",
+    [(k, a) for k, (_, base) in sorted({**FUZZ_KINDS, **WRAPPERS}.items()) for a in base],
 )
 @settings(max_examples=budget(60), **AS_USERS)
 @given(value=BAD_VALUES)
@@ -615,7 +633,7 @@ def test_random_bad_constructor_arguments_are_refused_naming_them(
     a `TypeError` or `ValueError` whose message names the argument (nothing else: no
     `ZeroDivisionError`, `OverflowError`, XLA error or crash), unless the value is one the
     argument takes."""
-    cls, base = FUZZ_KINDS[kind]
+    cls, base = {**FUZZ_KINDS, **WRAPPERS}[kind]
     try:
         cls(FUZZ_EX, **{**base, argument: value})
     except (TypeError, ValueError) as error:
@@ -631,14 +649,12 @@ _FUZZ_SAMPLED = {}
 
 
 def _fuzz_sampled(name: str):
+    """A buffer of kind `name` (its `FUZZ_KINDS` arguments) with one batch added."""
     if name not in _FUZZ_SAMPLED:
         cls, base = FUZZ_KINDS[name]
-        buffer = cls(FUZZ_EX, **base)
-        steps = 4 if buffer.__class__.__name__ != "Queue" else 2
-        batch = jax.tree.map(lambda x: jnp.ones((2, steps, *x.shape), x.dtype), FUZZ_EX)
-        if "Clustered" in name:
-            batch = jax.tree.map(lambda x: x[:, 0], batch)
-        _FUZZ_SAMPLED[name] = _ADD(buffer, batch)
+        _FUZZ_SAMPLED[name] = _ADD(
+            cls(FUZZ_EX, **base), jax.tree.map(jnp.asarray, _good_batch(name))
+        )
     return _FUZZ_SAMPLED[name]
 
 
@@ -679,3 +695,53 @@ def test_random_bad_sample_arguments_are_refused_naming_them(kind, argument, dat
             "row_blocks": lambda v, base: _size(v, base) and 4 % v == 0,  # (of a batch of 4)
         }
         assert taken.get(argument, lambda v, base: False)(value, {}), f"{argument}={value!r} taken"
+
+
+def _good_batch(kind: str, rows: int = 2) -> dict:
+    steps = 1 if kind == "Queue" else 4  # (its `add_sequence_length`)
+    batch = jax.tree.map(lambda x: np.ones((rows, steps, *x.shape), x.dtype), FUZZ_EX)
+    return jax.tree.map(lambda x: x[:, 0], batch) if "Clustered" in kind else batch
+
+
+# What a bad batch does to one leaf (`None`: the whole batch, one row too many).
+BAD_BATCHES = {
+    "missing": lambda b, leaf: {k: v for k, v in b.items() if k != leaf},
+    "extra": lambda b, leaf: {**b, "extra": b[leaf]},
+    "dtype": lambda b, leaf: {
+        **b,
+        leaf: b[leaf].astype(np.int32 if b[leaf].dtype != np.int32 else np.float32),
+    },
+    "trailing shape": lambda b, leaf: {**b, leaf: np.ones((*b[leaf].shape, 2), b[leaf].dtype)},
+    "None": lambda b, leaf: {**b, leaf: None},
+    "list": lambda b, leaf: {**b, leaf: b[leaf].tolist()},
+    "strings": lambda b, leaf: {**b, leaf: np.full(b[leaf].shape, "a")},
+}
+
+
+@settings(max_examples=budget(100), **AS_USERS)
+@given(
+    kind=st.sampled_from(sorted(FUZZ_KINDS)),
+    bad=st.sampled_from(sorted(BAD_BATCHES) + ["rows"]),
+    leaf=st.sampled_from(sorted(FUZZ_EX)),
+    jit=st.booleans(),
+)
+def test_random_bad_batches_are_refused_naming_the_leaf(kind, bad, leaf, jit, as_users_run):
+    """A batch missing a leaf, with an extra one, a leaf of another dtype or trailing shape,
+    given as None, a list or strings, or one row too many: refused when the add is traced
+    (eagerly or under jit alike), by a `TypeError` or `ValueError` naming the leaf (or
+    `add_batch_size`), and the buffer is untouched (it is immutable: the add returns no
+    buffer at all)."""
+    cls, base = FUZZ_KINDS[kind]
+    buffer = _fuzz_sampled(kind)
+    if bad == "rows":
+        batch, named = _good_batch(kind, rows=3), "add_batch_size"
+    else:
+        batch, named = BAD_BATCHES[bad](_good_batch(kind), leaf), leaf
+        named = "extra" if bad == "extra" else named
+    with pytest.raises((TypeError, ValueError)) as caught:
+        (eqx.filter_jit(_add) if jit else _add)(buffer, batch)
+    if jit and bad == "strings":  # (refused by JAX at the jit boundary, before any library code)
+        assert "as an abstract array" in str(caught.value), str(caught.value)
+    else:
+        assert named in str(caught.value), str(caught.value)
+    TRIED[kind, f"a batch with {bad}"] += 1

@@ -12,7 +12,7 @@ from typing import Any, TypeVar, Unpack
 
 import equinox as eqx
 
-from .._checks import check_positive_int
+from .._checks import as_example, check_positive_int
 from .._custom_types import ExampleTree
 from .._frames import as_frames, Frames
 from .._ring import RingStorage
@@ -51,6 +51,7 @@ def compose(
             f"{where}: `view` must be an equibuffer.views.AbstractView, got {type(view).__name__}."
         )
     given = SizeArgs.of(where, sizes)
+    example = as_example(example)
     frames = as_frames(where, frames)
     if frames is not None:
         # The frames take the rule's episode ends, where it has them (stated once).
@@ -146,8 +147,8 @@ class Buffer(AbstractUniformBuffer):
     ):
         """**Arguments:**
 
-        - `example`: one step of experience, a pytree of arrays; fixes every leaf's shape
-            and dtype.
+        - `example`: one step of experience, a pytree of arrays (numbers and NumPy arrays
+            are taken as `jnp.asarray` takes them); fixes every leaf's shape and dtype.
         - `add_batch_size`: the number of rows each `add` writes.
         - `view`: what a sample returns, an [`equibuffer.views.AbstractView`][]
             (`WindowView(sequence_length)`, `PairView()`, `NStepView(n, discount)`,

@@ -1,8 +1,8 @@
-from typing import Unpack
+from typing import Any, Unpack
 
 import equinox as eqx
 
-from .._custom_types import ExampleTree
+from .._custom_types import ExampleTree, ExperienceBatch
 from .._frames import Frames
 from .._ring import RingStorage
 from ..rules._base import AbstractUniformRule
@@ -11,6 +11,7 @@ from ..views._base import AbstractView
 from ..views._item import ItemView
 from ._base import AbstractUniformBuffer
 from ._generic import compose
+from ._items import as_items, item_axes
 from ._sizes import Sizes
 
 
@@ -36,19 +37,29 @@ class ItemBuffer(AbstractUniformBuffer):
     view: AbstractView = eqx.field(static=True)
     period: int = eqx.field(static=True)
     min_length_time_axis: int = eqx.field(static=True)
+    add_batches: bool = eqx.field(static=True)
+    add_sequences: bool = eqx.field(static=True)
 
     def __init__(
         self,
         example: ExampleTree,
         *,
-        add_batch_size: int,
+        add_batch_size: int | None = None,
+        add_batches: bool = False,
+        add_sequences: bool = False,
         frames: Frames | None = None,
         **sizes: Unpack[Sizes],
     ):
         """**Arguments:**
 
-        - `example`: one item, a pytree of arrays.
+        - `example`: one item, a pytree of arrays (numbers and NumPy arrays are taken as
+            `jnp.asarray` takes them).
         - `add_batch_size`: the number of items (rows) each `add` of one step writes.
+        - `add_batches`, `add_sequences`: as Flashbax's item buffer takes them, instead of
+            `add_batch_size`: every `add` takes leaves `(batch, *leaf)`, `(time, *leaf)` or,
+            with both, `(batch, time, *leaf)` (a time-major rollout `(time, envs, *leaf)` as
+            well), of any sizes, and stores each of their items (in one row). Each new shape
+            of an add is traced once.
         - `frames`: an [`equibuffer.Frames`][], to store one frame per step of a stacked
             observation leaf and return the stacks in every sample (see
             [Pixels](../pixels.md)). Default: every leaf is stored as given.
@@ -58,6 +69,17 @@ class ItemBuffer(AbstractUniformBuffer):
             says.
         """
         where = "ItemBuffer()"
+        rows, _ = item_axes(where, add_batch_size, add_batches, add_sequences, frames)
+        self.add_batches, self.add_sequences = add_batches, add_sequences
         self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
-            where, example, add_batch_size, sizes, UNIFORM, ItemView(), flat=True, frames=frames
+            where, example, rows, sizes, UNIFORM, ItemView(), flat=True, frames=frames
         )
+
+    def _add(self, batch: ExperienceBatch, refused: Any = None) -> "ItemBuffer":
+        flags = (self.add_batches, self.add_sequences)
+        items = as_items("ItemBuffer.add()", self.storage, flags, batch)
+        return super()._add(items, refused)
+
+    def steps_in(self, batch: ExperienceBatch, where: str = "add()") -> int | None:
+        flags = (self.add_batches, self.add_sequences)
+        return super().steps_in(as_items(where, self.storage, flags, batch), where)

@@ -66,7 +66,8 @@ class Queue(AbstractRingHolder):
     ):
         """**Arguments:**
 
-        - `example`: one step of experience, a pytree of arrays.
+        - `example`: one step of experience, a pytree of arrays (numbers and NumPy arrays
+            are taken as `jnp.asarray` takes them).
         - `add_batch_size`: the number of rows each `add` writes (e.g. parallel environments).
         - `sequence_length`: the number of steps of every row that `sample` returns.
         - `add_sequence_length`: optional, Flashbax's name: the steps per row every `add`

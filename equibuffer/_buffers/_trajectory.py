@@ -53,9 +53,9 @@ class TrajectoryBuffer(AbstractUniformBuffer):
     ):
         """**Arguments:**
 
-        - `example`: one step of experience, a pytree of arrays; fixes every leaf's shape and
-            dtype. Storage of zeros shaped `(add_batch_size, max_length_time_axis, *leaf)` is
-            allocated.
+        - `example`: one step of experience, a pytree of arrays (numbers and NumPy arrays are
+            taken as `jnp.asarray` takes them); fixes every leaf's shape and dtype. Storage
+            of zeros shaped `(add_batch_size, max_length_time_axis, *leaf)` is allocated.
         - `add_batch_size`: the number of rows each `add` writes (e.g. parallel environments).
         - `sequence_length`: the number of consecutive steps in each sampled window.
         - `period`: windows start at absolute steps that are multiples of `period` (1: every

@@ -82,7 +82,8 @@ class TransitionBuffer(AbstractUniformBuffer):
     ):
         """**Arguments:**
 
-        - `example`: one step of experience, a pytree of arrays.
+        - `example`: one step of experience, a pytree of arrays (numbers and NumPy arrays
+            are taken as `jnp.asarray` takes them).
         - `add_batch_size`: the number of rows each `add` writes.
         - `frames`: an [`equibuffer.Frames`][], to store one frame per step of a stacked
             observation leaf and return the stacks in every sample (see

@@ -77,7 +77,8 @@ class ClusteredBuffer(AbstractClusteredBuffer[UniformInCluster]):
     ):
         """**Arguments:**
 
-        - `example`: one item, a pytree of arrays.
+        - `example`: one item, a pytree of arrays (numbers and NumPy arrays are taken as
+            `jnp.asarray` takes them).
         - `add_batch_size`: the number of rows each `add` brings (leaves `(add_batch_size,
             *leaf)`, or `(add_batch_size, T, *leaf)` for `T` items per row).
         - `num_clusters`: the number of clusters `K`.

@@ -78,6 +78,10 @@ def arrays_equal(got: Any, want: Any) -> None:
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+# Each add jitted, as a training step runs it (compiled whole, not op by op).
+_add = eqx.filter_jit(lambda buffer, batch: buffer.add(batch))
+
+
 def written(kind: str, adds: tuple[int, ...]) -> tuple[zarr.storage.MemoryStore, Any]:
     """An archive (in memory) of a buffer of `kind` that received `adds` steps per row, one
     add and one write each; and that buffer."""
@@ -88,7 +92,7 @@ def written(kind: str, adds: tuple[int, ...]) -> tuple[zarr.storage.MemoryStore,
         for count in adds:
             if isinstance(buffer, eb.Queue):  # (a queue refuses to overwrite unread steps)
                 buffer = buffer.with_storage(buffer.storage)  # every step read
-            buffer = buffer.add(values(ROWS, total, count))
+            buffer = _add(buffer, values(ROWS, total, count))
             total += count
             assert archive.write(buffer) == count
     return store, buffer
@@ -97,7 +101,7 @@ def written(kind: str, adds: tuple[int, ...]) -> tuple[zarr.storage.MemoryStore,
 def carry_on(archive: Archive, buffer: Any, total: int, getkey: Callable) -> Any:
     """The run goes on after a restore: an add, a write of exactly the new steps (none
     twice), a sample, and for a prioritised buffer `set_priorities` and another sample."""
-    buffer = buffer.add(values(ROWS, total, 5))
+    buffer = _add(buffer, values(ROWS, total, 5))
     assert archive.write(buffer) == 5
     assert_tree_equal(archive.read(), expected(0, total + 5))
     if isinstance(buffer, eb.Queue):

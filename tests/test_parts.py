@@ -284,7 +284,9 @@ def test_a_composed_buffer_survives_an_archive_restore(tmp_path):
     buffer = make()
     reference = BufferReference.from_buffer(buffer)
     batch = _batch(2, 0, _episodes(2, 11, [5]))
-    buffer, _ = buffer.add(batch), reference.add(batch)
+    # (Each call jitted, as a training step runs it: compiled whole, not op by op.)
+    add = eqx.filter_jit(lambda b, x: b.add(x))
+    buffer, _ = add(buffer, batch), reference.add(batch)
     path = str(tmp_path / "composed.zarr")
     with eb.Archive(path, buffer, progress=False) as archive:
         archive.write(buffer)
@@ -292,11 +294,13 @@ def test_a_composed_buffer_survives_an_archive_restore(tmp_path):
         restored = archive.restore(make(), priority=2.0)
     assert int(restored.steps_added()) == 11
     assert int(restored.num_valid_windows()) == len(reference.valid())
-    sample = restored.sample(jax.random.key(3), 64, beta=0.5)
+    sample = eqx.filter_jit(lambda b, k: b.sample(k, 64, beta=0.5))(restored, jax.random.key(3))
     reference.check_sample(sample, beta=0.5)  # every restored window at one priority
     assert float(restored.max_priority) == 2.0
-    restored = restored.set_priorities(sample, jnp.linspace(1.0, 4.0, 64))
-    restored = restored.add(_batch(2, 11, _episodes(2, 1, [])))
+    restored = eqx.filter_jit(lambda b, s, p: b.set_priorities(s, p))(
+        restored, sample, jnp.linspace(1.0, 4.0, 64)
+    )
+    restored = add(restored, _batch(2, 11, _episodes(2, 1, [])))
     assert int(restored.steps_added()) == 12
 
 

@@ -169,5 +169,5 @@ def test_on_an_explicit_mesh_every_method_says_its_sharding(jit):
     one = eb.PrioritisedTrajectoryBuffer(
         {"obs": jnp.zeros(3)}, add_batch_size=2, max_length_time_axis=8, sequence_length=2
     )
-    _, expected, _ = step(one, batch, jax.random.key(0))
+    _, expected, _ = eqx.filter_jit(step)(one, batch, jax.random.key(0))  # (one device)
     assert (sample.experience["obs"] == expected.experience["obs"]).all()

@@ -488,9 +488,10 @@ def test_frames_under_x64():
         buffer = eb.PrioritisedTransitionBuffer(
             _example(k, -1), add_batch_size=rows, max_length_time_axis=8, frames=frames
         )
+        add = eqx.filter_jit(lambda b, x: b.add(x))  # (compiled whole, not op by op)
         for _ in range(3):
             _, stacked, done = history.steps(rng, 4, 0.3)
-            buffer = buffer.add(step_batch(stacked, done))
+            buffer = add(buffer, step_batch(stacked, done))
         sample = eqx.filter_jit(lambda b, key: b.sample(key, 16))(buffer, jax.random.key(0))
         _check_sample("prioritised", buffer, history, sample, 12)
         stacks = buffer.storage.take(jnp.asarray(np.array([7], np.int64)))["obs"]

@@ -661,33 +661,38 @@ def _fuzz_sampled(name: str):
 NOT_KEYS = st.sampled_from(
     [None, 0, 7, "key", 3.5, np.int64(1), jnp.zeros(3, jnp.uint32), jnp.zeros(2, jnp.float32)]
 )
-SAMPLE_ARGUMENTS = {
-    "key": lambda b, v: b.sample(v, 4),
-    "batch_size": lambda b, v: b.sample(jax.random.key(0), v),
-    "row_blocks": lambda b, v: b.sample(jax.random.key(0), 4, row_blocks=v),
-    "beta": lambda b, v: b.sample(jax.random.key(0), 4, beta=v),
+SAMPLE_ARGUMENTS = {  # (the argument a call names, the call)
+    "key": ("key", lambda b, v: b.sample(v, 4)),
+    "batch_size": ("batch_size", lambda b, v: b.sample(jax.random.key(0), v)),
+    "row_blocks": ("row_blocks", lambda b, v: b.sample(jax.random.key(0), 4, row_blocks=v)),
+    "beta": ("beta", lambda b, v: b.sample(jax.random.key(0), 4, beta=v)),
+    "epoch key": ("key", lambda b, v: b.epoch(v, 4)),
+    "epoch batch_size": ("batch_size", lambda b, v: b.epoch(jax.random.key(0), v)),
 }
 
 
 @settings(max_examples=budget(100), **AS_USERS)
 @given(
     kind=st.sampled_from(sorted(set(FUZZ_KINDS) - {"Queue"})),  # (its sample takes nothing)
-    argument=st.sampled_from(sorted(SAMPLE_ARGUMENTS)),
+    call=st.sampled_from(sorted(SAMPLE_ARGUMENTS)),
     data=st.data(),
 )
-def test_random_bad_sample_arguments_are_refused_naming_them(kind, argument, data, as_users_run):
-    """A bad key, batch size, number of row blocks or `beta` (prioritised kinds): refused
-    naming it. A `beta` may be a traced number (annealed inside jit), so a negative or NaN
-    one given as an array is refused by the traced check, which names it too."""
+def test_random_bad_sample_arguments_are_refused_naming_them(kind, call, data, as_users_run):
+    """A bad key, batch size, number of row blocks or `beta` (prioritised kinds) to
+    `sample`, or a bad key or batch size to `epoch`: refused naming it. A `beta` may be a
+    traced number (annealed inside jit), so a negative or NaN one given as an array is
+    refused by the traced check, which names it too."""
     buffer = _fuzz_sampled(kind)
+    argument, method = SAMPLE_ARGUMENTS[call]
     if argument == "beta" and "Prioritised" not in kind:
         return
     value = data.draw(NOT_KEYS if argument == "key" else BAD_VALUES, label="value")
     try:
-        SAMPLE_ARGUMENTS[argument](buffer, value)
+        method(buffer, value)
     except (TypeError, ValueError, eqx.EquinoxRuntimeError) as error:
         assert f"`{argument}`" in str(error) or argument in str(error), str(error)
-        TRIED[kind, f"a bad `{argument}` to sample"] += 1
+        method_name = "epoch" if call.startswith("epoch") else "sample"
+        TRIED[kind, f"a bad `{argument}` to {method_name}"] += 1
     else:
         taken = {
             "beta": VALID["alpha"],

@@ -158,18 +158,22 @@ def test_the_same_parts_give_the_same_buffer(kind, rows, length, s, period, mode
 
 
 def _check_against_reference(buffer, batches, beta=None, priorities=None):
+    """`buffer` after `batches` against its reference; its calls jitted, as a training step
+    runs them (compiled whole rather than op by op)."""
     reference = BufferReference.from_buffer(buffer)
+    add = eqx.filter_jit(lambda b, x: b.add(x))
     for batch in batches:
-        buffer, _ = buffer.add(batch), reference.add(batch)
+        buffer, _ = add(buffer, batch), reference.add(batch)
     assert reference.valid(), "the test must leave windows to sample"
     assert int(buffer.num_valid_windows()) == len(reference.valid())
     kwargs = {} if beta is None else {"beta": beta}
-    sample = buffer.sample(jax.random.key(0), 64, **kwargs)
+    sample_fn = eqx.filter_jit(lambda b, key: b.sample(key, 64, **kwargs))
+    sample = sample_fn(buffer, jax.random.key(0))
     reference.check_sample(sample, **kwargs)
     if priorities is not None:
-        buffer = buffer.set_priorities(sample, priorities)
+        buffer = eqx.filter_jit(lambda b, s, p: b.set_priorities(s, p))(buffer, sample, priorities)
         reference.set_priorities(sample, priorities)
-        reference.check_sample(buffer.sample(jax.random.key(1), 64, **kwargs), **kwargs)
+        reference.check_sample(sample_fn(buffer, jax.random.key(1)), **kwargs)
     return buffer, reference
 
 

@@ -10,6 +10,7 @@ from typing import Any, ParamSpec
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 
 # XLA before jax 0.11 (jax 0.10 is the last release for Python 3.11) removes optimization
@@ -59,7 +60,7 @@ def default_device_memory() -> tuple[int, str] | None:
     `eqx.filter_eval_shape` (to restore a checkpoint into, or to place with `shard_rows`)
     allocates nothing, so it is never refused for its size."""
     probe = jnp.zeros((), jnp.uint8)
-    if isinstance(probe, jax.core.Tracer):
+    if isinstance(probe, Tracer):
         return None
     device = next(iter(probe.devices()))
     try:

@@ -381,7 +381,9 @@ class Reader:
         where = "Archive.read()"
         c = self.commit
         zeros = [np.zeros(leaf.shape, np.dtype(leaf.stored)) for leaf in self.layout.leaves]
-        frames = as_frames(where, frames).for_stored(where, self.unflatten(zeros))
+        given = as_frames(where, frames)
+        assert given is not None  # (`Archive.read` calls this with frames only)
+        frames = given.for_stored(where, self.unflatten(zeros))
         if not isinstance(frames.episode_end, str):
             raise TypeError(
                 f"{where}: an archive's frames read their episode ends from a leaf: give "

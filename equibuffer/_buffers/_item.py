@@ -1,8 +1,8 @@
-from typing import Any, Unpack
+from typing import Unpack
 
 import equinox as eqx
 
-from .._custom_types import ExampleTree, ExperienceBatch
+from .._custom_types import ExampleTree
 from .._frames import Frames
 from .._ring import RingStorage
 from ..rules._base import AbstractUniformRule
@@ -11,11 +11,11 @@ from ..views._base import AbstractView
 from ..views._item import ItemView
 from ._base import AbstractUniformBuffer
 from ._generic import compose
-from ._items import as_items, item_axes
+from ._items import item_rows, ItemAdds
 from ._sizes import Sizes
 
 
-class ItemBuffer(AbstractUniformBuffer):
+class ItemBuffer(ItemAdds, AbstractUniformBuffer):
     """A buffer of independent items: every stored step is one item, sampled uniformly.
 
     !!! example
@@ -69,17 +69,8 @@ class ItemBuffer(AbstractUniformBuffer):
             says.
         """
         where = "ItemBuffer()"
-        rows, _ = item_axes(where, add_batch_size, add_batches, add_sequences, frames)
+        rows = item_rows(where, add_batch_size, add_batches, add_sequences, frames)
         self.add_batches, self.add_sequences = add_batches, add_sequences
         self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
             where, example, rows, sizes, UNIFORM, ItemView(), flat=True, frames=frames
         )
-
-    def _add(self, batch: ExperienceBatch, refused: Any = None) -> "ItemBuffer":
-        flags = (self.add_batches, self.add_sequences)
-        items = as_items("ItemBuffer.add()", self.storage, flags, batch)
-        return super()._add(items, refused)
-
-    def steps_in(self, batch: ExperienceBatch, where: str = "add()") -> int | None:
-        flags = (self.add_batches, self.add_sequences)
-        return super().steps_in(as_items(where, self.storage, flags, batch), where)

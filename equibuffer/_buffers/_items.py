@@ -3,6 +3,7 @@ leading axes, of any size, flattened into items of the buffer's one row."""
 
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,11 +13,11 @@ from .._custom_types import ExperienceBatch
 from .._ring import RingStorage
 
 
-def item_axes(
+def item_rows(
     where: str, add_batch_size: Any, add_batches: Any, add_sequences: Any, frames: Any
-) -> tuple[int, int]:
-    """`(rows, leading axes an add flattens)` of an item buffer given these arguments: the
-    rows given and 0, or 1 row and the number of flags set."""
+) -> int:
+    """The rows of an item buffer given these arguments: those given, or 1 with a flag
+    set."""
     for name, value in (("add_batches", add_batches), ("add_sequences", add_sequences)):
         if not isinstance(value, bool):
             raise TypeError(f"{where}: `{name}` must be a bool, got {value!r}.")
@@ -29,7 +30,7 @@ def item_axes(
                 "item buffer, `add_batches=True` and/or `add_sequences=True` to add items with "
                 "leading axes of any size."
             )
-        return add_batch_size, 0
+        return add_batch_size
     if add_batch_size is not None and add_batch_size != 1:
         raise ValueError(
             f"{where}: with `add_batches`/`add_sequences` every add's items are flattened into "
@@ -44,7 +45,7 @@ def item_axes(
             "would interleave): give `add_batch_size=` the number of environments and add "
             "`(add_batch_size, T, *leaf)` instead."
         )
-    return 1, axes
+    return 1
 
 
 def as_items(
@@ -73,3 +74,21 @@ def as_items(
             )
         out.append(x.reshape(1, -1, *struct.shape))
     return jax.tree.unflatten(treedef, out)
+
+
+class ItemAdds(eqx.Module):
+    """The item buffers' `add` and `steps_in` with Flashbax's item adds: a batch's leading
+    axes flattened (`as_items`) as the buffer's `add_batches` and `add_sequences` say."""
+
+    add_batches: eqx.AbstractVar[bool]
+    add_sequences: eqx.AbstractVar[bool]
+    storage: eqx.AbstractVar[RingStorage]
+
+    def _add(self, batch: ExperienceBatch, refused: Any = None) -> Any:
+        where = f"{type(self).__name__}.add()"
+        items = as_items(where, self.storage, (self.add_batches, self.add_sequences), batch)
+        return super()._add(items, refused)  # pyright: ignore[reportAttributeAccessIssue]
+
+    def steps_in(self, batch: ExperienceBatch, where: str = "add()") -> int | None:
+        items = as_items(where, self.storage, (self.add_batches, self.add_sequences), batch)
+        return super().steps_in(items, where)  # pyright: ignore[reportAttributeAccessIssue]

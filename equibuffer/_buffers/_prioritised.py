@@ -7,7 +7,7 @@ import equinox as eqx
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._axes import in_blocks, on_auto_axes
-from .._custom_types import Beta, ExampleTree, ExperienceBatch, Steps
+from .._custom_types import Beta, ExampleTree, Steps
 from .._errors import recorded
 from .._frames import Frames
 from .._protocol import AbstractPrioritisedSource
@@ -24,7 +24,7 @@ from ..views._item import ItemView
 from ..views._window import window_view
 from ._base import AbstractBuffer
 from ._generic import check_rule, compose
-from ._items import as_items, item_axes
+from ._items import item_rows, ItemAdds
 from ._samples import (
     AbstractSample,
     PrioritisedEpisodeSample,
@@ -407,7 +407,7 @@ class PrioritisedTransitionBuffer(AbstractPrioritisedBuffer):
         )
 
 
-class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
+class PrioritisedItemBuffer(ItemAdds, AbstractPrioritisedBuffer):
     """A [`equibuffer.ItemBuffer`][] that draws items in proportion to their priority.
 
     !!! example
@@ -452,7 +452,7 @@ class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
         - `alpha`: the priority exponent, `>= 0` (default 0.6).
         """
         where = "PrioritisedItemBuffer()"
-        rows, _ = item_axes(where, add_batch_size, add_batches, add_sequences, frames)
+        rows = item_rows(where, add_batch_size, add_batches, add_sequences, frames)
         self.add_batches, self.add_sequences = add_batches, add_sequences
         self.storage, self.rule, self.view, self.period, self.min_length_time_axis = compose(
             where,
@@ -464,12 +464,3 @@ class PrioritisedItemBuffer(AbstractPrioritisedBuffer):
             flat=True,
             frames=frames,
         )
-
-    def _add(self, batch: ExperienceBatch, refused: Any = None) -> "PrioritisedItemBuffer":
-        flags = (self.add_batches, self.add_sequences)
-        items = as_items("PrioritisedItemBuffer.add()", self.storage, flags, batch)
-        return super()._add(items, refused)
-
-    def steps_in(self, batch: ExperienceBatch, where: str = "add()") -> int | None:
-        flags = (self.add_batches, self.add_sequences)
-        return super().steps_in(as_items(where, self.storage, flags, batch), where)

@@ -90,5 +90,19 @@ class ItemAdds(eqx.Module):
         return super()._add(items, refused)  # pyright: ignore[reportAttributeAccessIssue]
 
     def steps_in(self, batch: ExperienceBatch, where: str = "add()") -> int | None:
+        """Check `batch` as `add` does and return its number of steps per row (see
+        [`equibuffer.RingStorage.steps_in`][]): with `add_batches`/`add_sequences`, the
+        items it holds, its leading axes flattened into the one row.
+
+        !!! example
+
+            ```python
+            import equibuffer as eb, jax.numpy as jnp
+
+            buffer = eb.ItemBuffer({"x": jnp.zeros(3)}, add_batches=True, add_sequences=True,
+                                   capacity=64)
+            assert buffer.steps_in({"x": jnp.zeros((5, 4, 3))}) == 20
+            ```
+        """
         items = as_items(where, self.storage, (self.add_batches, self.add_sequences), batch)
         return super().steps_in(items, where)  # pyright: ignore[reportAttributeAccessIssue]

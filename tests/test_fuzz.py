@@ -128,6 +128,11 @@ _CHECKED = eb.filter_jit(_set, donate="all")
 def test_a_refused_set_priorities_changes_nothing(name, data):
     buffer, sample = _buffer_and_sample(name)
     indices, shift, priorities = data.draw(bad_updates(name))
+    # In any float dtype a user may hold them in (float64 enters as float32 without x64,
+    # as JAX converts it; float16 and bfloat16 too, the bad values staying bad in each).
+    dtype = data.draw(st.sampled_from([np.float32, np.float64, np.float16, jnp.bfloat16]))
+    with np.errstate(over="ignore"):  # (-3e38 is -inf in float16: still bad)
+        priorities = np.asarray(priorities, np.float32).astype(dtype)
     bad = _rewritten(sample, indices, shift)
     message = _message(name, indices, priorities)
     TRIED[name, message] += 1
